@@ -1,0 +1,1 @@
+"""Summit: serve large open LLMs with vLLM on Ray Serve."""

@@ -1,0 +1,51 @@
+"""`app.builder:build_app` — the Serve application for a Summit YAML's `args:`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from app.config import ModelConfig, SummitConfig
+from deployments.ingress import OpenAIIngress
+from deployments.llm_server import LLMServer
+
+
+def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
+    """Serve options of one model's engine deployment (pure: no Ray calls)."""
+    d = model.deployment
+    num_cpus = d.num_cpus if d.num_cpus is not None else (0.5 if model.accelerator == "cpu" else 1.0)
+    actor_options: dict[str, Any] = {"num_cpus": num_cpus}
+    if model.accelerator == "gpu":
+        actor_options["num_gpus"] = model.tensor_parallel_size * model.pipeline_parallel_size
+    options: dict[str, Any] = {
+        "name": f"LLMServer:{model.name}",
+        "max_ongoing_requests": d.max_ongoing_requests or model.max_num_seqs,
+        "max_queued_requests": d.max_queued_requests,
+        "health_check_period_s": d.health_check_period_s,
+        "health_check_timeout_s": d.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
+        "ray_actor_options": actor_options,
+    }
+    if d.autoscaling_config is not None:
+        options["autoscaling_config"] = d.autoscaling_config
+    else:
+        options["num_replicas"] = d.num_replicas
+    return options
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Validate the YAML args once, then bind one engine deployment per model behind one ingress."""
+    config = SummitConfig.model_validate(args)
+    servers = {
+        m.name: serve.deployment(LLMServer).options(**llm_deployment_options(m)).bind(m, m.resolved_source())
+        for m in config.models
+    }
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="OpenAIIngress",
+        num_replicas=config.ingress.num_replicas,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.ingress.num_cpus},
+    )
+    return ingress.bind(servers)

@@ -1,0 +1,163 @@
+"""The Serve YAML's `args:` for `app.builder:build_app`, as one pydantic root model.
+
+Unknown keys are rejected with the key named; vLLM engine kwargs are checked against the fields of
+vLLM's own `AsyncEngineArgs` (asked through `deployments.vllm_adapter`, not a hand-written list).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+_ENV_REF = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+
+
+def expand_env(value: str, env: dict[str, str] | None = None) -> str:
+    """Expand `$VAR`, `${VAR}` and `${VAR:-default}`, then `~`. An unset variable without default is an error."""
+    env = os.environ if env is None else env
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1) or m.group(3)
+        if name in env:
+            return env[name]
+        if m.group(2) is not None:
+            return m.group(2)
+        raise ValueError(f"environment variable {name} is not set (give it in runtime_env.env_vars or use ${{{name}:-default}})")
+
+    return os.path.expanduser(_ENV_REF.sub(sub, value))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DeploymentOptions(_Strict):
+    """Ray Serve options of one model's engine deployment."""
+
+    num_replicas: int = Field(1, ge=0, description="Fixed replica count (ignored when autoscaling_config is set).")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...)."
+    )
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests one replica takes at once. Default: the engine's max_num_seqs (Serve's 5 would throttle it)."
+    )
+    max_queued_requests: int = Field(-1, ge=-1, description="Requests queued per caller before Serve rejects them; -1 = no bound.")
+    num_cpus: float | None = Field(None, ge=0, description="CPUs of the replica actor. Default: 1 on GPU, 0.5 on CPU.")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve asks the engine whether it is alive.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="How long a health check may take before the replica is replaced.")
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="Time given to running requests when a replica stops.")
+
+
+class ModelConfig(_Strict):
+    """One served model: where its weights are, how vLLM runs it, how Serve deploys it."""
+
+    name: str = Field(description="The OpenAI `model` name clients send; also the Serve deployment's suffix.")
+    source: str | None = Field(
+        None, description="Checkpoint path or hub id. `$VAR`, `${VAR:-default}` and `~` are expanded where the app is built."
+    )
+    source_env: str | None = Field(None, description="Name of an environment variable holding the path (instead of `source`).")
+    accelerator: Literal["cpu", "gpu"] = Field("gpu", description="Where the engine runs.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one pipeline stage is split across (inside one node).")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (may span nodes).")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments (AsyncEngineArgs fields).")
+    frontend_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM OpenAI-server options that are not engine args (chat_template, tool_call_parser, ...)."
+    )
+    stream_coalesce_ms: float = Field(
+        0.0, ge=0, le=1000, description="Merge a stream's chunks that arrive within this window into one message (first token never waits)."
+    )
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError("models[].name must be non-empty without spaces, e.g. `name: llama-3.1-8b`")
+        return v
+
+    @model_validator(mode="after")
+    def _source_given(self) -> ModelConfig:
+        if (self.source is None) == (self.source_env is None):
+            raise ValueError(f"model {self.name!r}: give exactly one of `source` (a path) or `source_env` (an env var name)")
+        return self
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs_known(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        check_engine_kwargs(kwargs)
+        return kwargs
+
+    @field_validator("frontend_kwargs")
+    @classmethod
+    def _frontend_kwargs_known(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        from deployments.vllm_adapter import frontend_arg_names
+
+        known = frontend_arg_names()
+        for key in kwargs:
+            if key not in known:
+                raise ValueError(f"frontend_kwargs.{key} is not an option of vLLM's OpenAI server; known: {', '.join(sorted(known))}")
+        return kwargs
+
+    def resolved_source(self, env: dict[str, str] | None = None) -> str:
+        env = os.environ if env is None else env
+        if self.source_env is not None:
+            if self.source_env not in env:
+                raise ValueError(f"model {self.name!r}: source_env {self.source_env} is not set; set it in runtime_env.env_vars")
+            return os.path.expanduser(env[self.source_env])
+        return expand_env(self.source, env)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.engine_kwargs.get("max_num_seqs") or 256)
+
+
+def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise ValueError naming the first engine kwarg that vLLM does not know or whose value has the wrong type."""
+    from deployments.vllm_adapter import RESERVED_ENGINE_KEYS, engine_arg_types
+
+    types = engine_arg_types()
+    for key, value in kwargs.items():
+        if key in RESERVED_ENGINE_KEYS:
+            raise ValueError(f"engine_kwargs.{key}: set it with the model's `{RESERVED_ENGINE_KEYS[key]}` key instead")
+        if key not in types:
+            close = [k for k in types if key.replace("-", "_") == k or key in k or k in key][:5]
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"engine_kwargs.{key} is not a vLLM engine argument{hint}")
+        hint = types[key]
+        if hint is None:
+            continue
+        try:
+            adapter = TypeAdapter(hint)
+        except Exception:  # annotations pydantic cannot build a schema for: leave them to vLLM
+            continue
+        try:
+            adapter.validate_python(value)
+        except ValidationError as e:
+            raise ValueError(f"engine_kwargs.{key}={value!r} has the wrong type for vLLM ({e.errors()[0]['msg']})") from None
+
+
+class IngressOptions(_Strict):
+    num_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
+    num_cpus: float = Field(0.1, ge=0, description="CPUs of one ingress replica.")
+    max_ongoing_requests: int = Field(2048, ge=1, description="Requests one ingress replica handles at once.")
+
+
+class SummitConfig(_Strict):
+    """Root of the Serve YAML's `args:` for `app.builder:build_app`."""
+
+    models: list[ModelConfig] = Field(min_length=1, description="The models this application serves.")
+    ingress: IngressOptions = Field(default_factory=IngressOptions, description="The OpenAI HTTP ingress.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> SummitConfig:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"models[].name must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        return next(m for m in self.models if m.name == name)

@@ -1,0 +1,145 @@
+"""A private Ray cluster on loopback: own temp dir, own ports, stopped by PID. For tests and benchmarks.
+
+Never touches another Ray cluster on the machine (no `ray stop`, no default `/tmp/ray`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import yaml
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for Ray processes and clients: auth off on loopback, and Ray kept on 127.0.0.1."""
+    env = dict(os.environ)
+    env.update({
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class LocalCluster:
+    """`ray start --head --block` on loopback with its own temp dir and ports."""
+
+    num_cpus: float = 4
+    env: dict[str, str] = field(default_factory=dict)
+    temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="summit-ray-", dir="/tmp")))
+    gcs_port: int = field(default_factory=free_port)
+    dashboard_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.dashboard_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+    def start(self, timeout_s: float = 120) -> LocalCluster:
+        log = open(self.temp_dir / "ray-start.log", "wb")
+        ports = {
+            "--port": self.gcs_port, "--dashboard-port": self.dashboard_port,
+            "--node-manager-port": free_port(), "--object-manager-port": free_port(),
+            "--ray-client-server-port": free_port(), "--metrics-export-port": free_port(),
+            "--dashboard-agent-listen-port": free_port(), "--runtime-env-agent-port": free_port(),
+        }
+        cmd = ["ray", "start", "--head", "--block", "--node-ip-address", LOOPBACK, "--dashboard-host", LOOPBACK,
+               "--temp-dir", str(self.temp_dir), "--num-cpus", str(self.num_cpus), "--disable-usage-stats"]
+        for flag, port in ports.items():
+            cmd += [flag, str(port)]
+        self.proc = subprocess.Popen(cmd, env=loopback_env(self.env), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._wait(lambda: _http_ok(self.dashboard_url + "/api/version"), timeout_s, "Ray dashboard")
+        return self
+
+    def serve_deploy(self, config: dict, timeout_s: float = 600, ready_path: str = "/v1/models") -> None:
+        """`serve deploy` a Serve config dict (its http_options are pointed at this cluster's port)."""
+        config = dict(config)
+        config["http_options"] = {**config.get("http_options", {}), "host": LOOPBACK, "port": self.http_port}
+        path = self.temp_dir / "serve-config.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        subprocess.run(["serve", "deploy", str(path), "-a", self.dashboard_url], env=loopback_env(self.env),
+                       check=True, capture_output=True)
+        self._wait(lambda: _http_ok(self.base_url + ready_path), timeout_s, "Serve application")
+
+    def serve_shutdown(self) -> None:
+        subprocess.run(["serve", "shutdown", "-a", self.dashboard_url, "-y"], env=loopback_env(self.env),
+                       capture_output=True, timeout=120)
+
+    def stop(self) -> None:
+        """Serve shutdown, then stop every process this cluster started (by PID), then remove its temp dir."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.serve_shutdown()
+            except subprocess.TimeoutExpired:
+                pass
+            # Ray's daemons and workers run in sessions of their own: signal each descendant, not a group.
+            procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+            for p in procs:
+                _signal(p, signal.SIGTERM)
+            _, alive = psutil.wait_procs(procs, timeout=15)
+            for p in alive:
+                _signal(p, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=10)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _wait(self, ready, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}; see {self.temp_dir}/ray-start.log")
+            if ready():
+                return
+            time.sleep(1)
+        raise TimeoutError(f"{what} not ready after {timeout_s:.0f}s (logs under {self.temp_dir}/session_latest/logs)")
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _http_ok(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def load_serve_config(path: str | Path) -> dict:
+    return yaml.safe_load(Path(path).read_text())

@@ -1,0 +1,110 @@
+"""A small OpenAI streaming load generator: output tok/s and TTFT percentiles for one concurrency level."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    ttft_s: list[float]
+    errors: int
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    def ttft_pct(self, q: float) -> float:
+        if not self.ttft_s:
+            return float("nan")
+        data = sorted(self.ttft_s)
+        return data[min(len(data) - 1, int(round(q / 100 * (len(data) - 1))))]
+
+    def row(self) -> dict:
+        return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
+                "output_tok_s": round(self.tok_per_s, 1), "ttft_p50_ms": round(self.ttft_pct(50) * 1000, 1),
+                "ttft_p99_ms": round(self.ttft_pct(99) * 1000, 1), "wall_s": round(self.wall_s, 2)}
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, int]:
+    start = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None, -1
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+                ttft = time.perf_counter() - start
+    return ttft, tokens
+
+
+async def run_load(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> LoadResult:
+    """Send every prompt once (completions, streamed, ignore_eos) with `concurrency` in flight."""
+    url = base_url + "/v1/completions"
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    ttfts: list[float] = []
+    totals = {"tokens": 0, "errors": 0}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def worker():
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                        "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+                try:
+                    ttft, tokens = await _one(client, url, body)
+                except httpx.HTTPError:
+                    ttft, tokens = None, -1
+                if tokens < 0:
+                    totals["errors"] += 1
+                    continue
+                totals["tokens"] += tokens
+                if ttft is not None:
+                    ttfts.append(ttft)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return LoadResult(concurrency, len(prompts), totals["tokens"], wall, ttfts, totals["errors"])
+
+
+def make_prompts(n: int, words: int, seed: int = 0) -> list[str]:
+    vocab = "summit ridge valley river cloud storm north south peak trail rope camp ice rock snow wind".split()
+    out = []
+    for i in range(n):
+        out.append(" ".join(vocab[(i * 7 + j * 3 + seed) % len(vocab)] for j in range(words)) + f" #{i}")
+    return out
+
+
+def summarize(rows: dict[str, LoadResult]) -> str:
+    lines = [f"{'peer':<14}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}"]
+    for name, r in rows.items():
+        lines.append(f"{name:<14}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1000:>13.1f}"
+                     f"{r.ttft_pct(99) * 1000:>13.1f}{r.errors:>8}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # quick manual use: python bench/loadgen.py http://127.0.0.1:8000 tiny-llama
+    import sys
+
+    res = asyncio.run(run_load(sys.argv[1], sys.argv[2], make_prompts(64, 16), 16, 64))
+    print(json.dumps(res.row()))

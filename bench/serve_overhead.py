@@ -1,0 +1,154 @@
+"""Summit vs vLLM's own api_server: the same model, engine settings and load, one after the other in one run.
+
+    python bench/serve_overhead.py                       # tiny model on CPU: 64 requests x 64 tokens at 16
+    python bench/serve_overhead.py --model-dir DIR --accelerator gpu --load-format dummy \\
+        --concurrency 1 32 256 --requests 256 --max-tokens 256 --prompt-words 100
+
+Prints output tok/s and TTFT p50/p99 of both and Summit's ratio to vLLM. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
+from bench.loadgen import LoadResult, make_prompts, run_load  # noqa: E402
+
+MODEL = "bench-model"
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    kwargs = {"dtype": "bfloat16", "max_model_len": ns.max_model_len, "max_num_seqs": ns.max_num_seqs}
+    if ns.accelerator == "cpu":
+        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=256 << 20)
+    if ns.load_format:
+        kwargs["load_format"] = ns.load_format
+    return kwargs
+
+
+def engine_env(ns: argparse.Namespace) -> dict[str, str]:
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"} if ns.accelerator == "cpu" else {}
+
+
+def cli_flags(kwargs: dict) -> list[str]:
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        if _http_ok(url):
+            return time.monotonic() - t0
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def run_loads(base_url: str, ns: argparse.Namespace) -> list[LoadResult]:
+    prompts = make_prompts(ns.requests, ns.prompt_words)
+    asyncio.run(run_load(base_url, MODEL, make_prompts(4, ns.prompt_words, seed=1), 4, 8))  # warm-up
+    return [asyncio.run(run_load(base_url, MODEL, prompts, c, ns.max_tokens)) for c in ns.concurrency]
+
+
+def bench_vllm(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[LoadResult]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--served-model-name", MODEL, "--host", LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log",
+           *cli_flags({**engine_kwargs(ns), "tensor_parallel_size": ns.tp})]
+    log = open(Path(tempfile.gettempdir()) / f"bench-vllm-{port}.log", "wb")
+    proc = subprocess.Popen(cmd, env=loopback_env(engine_env(ns)), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        ready = wait_http(f"http://{LOOPBACK}:{port}/v1/models", proc, ns.start_timeout)
+        return ready, run_loads(f"http://{LOOPBACK}:{port}", ns)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+
+
+def bench_summit(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[LoadResult]]:
+    model = {"name": MODEL, "source": model_dir, "accelerator": ns.accelerator, "tensor_parallel_size": ns.tp,
+             "engine_kwargs": engine_kwargs(ns), "stream_coalesce_ms": ns.coalesce_ms,
+             "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1}}
+    config = {"proxy_location": "HeadOnly", "applications": [{
+        "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
+        "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", **engine_env(ns)}},
+        "args": {"models": [model]}}]}
+    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=engine_env(ns))
+    try:
+        t0 = time.monotonic()
+        cluster.start()
+        cluster.serve_deploy(config, timeout_s=ns.start_timeout)
+        ready = time.monotonic() - t0
+        return ready, run_loads(cluster.base_url, ns)
+    finally:
+        cluster.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", help="model or config dir (default: make the tiny model)")
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--load-format", default=None, help="e.g. dummy (random weights for a config-only dir)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--coalesce-ms", type=float, default=None, help="Summit's stream_coalesce_ms (default: the config default)")
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--only", choices=["vllm", "summit"], default=None)
+    p.add_argument("--json", help="also write the figures here")
+    ns = p.parse_args()
+    if ns.coalesce_ms is None:
+        from app.config import ModelConfig
+
+        ns.coalesce_ms = ModelConfig.model_fields["stream_coalesce_ms"].default
+
+    model_dir = ns.model_dir
+    if model_dir is None:
+        from app.tiny_model import make_tiny_model
+
+        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama"))
+
+    peers = {"vllm": bench_vllm, "summit": bench_summit}
+    results: dict[str, tuple[float, list[LoadResult]]] = {}
+    for name, fn in peers.items():
+        if ns.only in (None, name):
+            results[name] = fn(ns, model_dir)
+            print(f"{name}: ready in {results[name][0]:.1f} s", flush=True)
+
+    print(f"\n{'peer':<8}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}")
+    for name, (_, rows) in results.items():
+        for r in rows:
+            print(f"{name:<8}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
+                  f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}")
+    if len(results) == 2:
+        for v, s in zip(results["vllm"][1], results["summit"][1]):
+            print(f"ratio summit/vllm at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
+                  f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({n: {"ready_s": r[0], "rows": [x.row() for x in r[1]]}
+                                             for n, r in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Drive an in-process ASGI app (vLLM's OpenAI app) from a Serve replica, one request at a time.
+
+`httpx.ASGITransport` buffers a whole response; this bridge instead forwards the response as it is
+sent: first a `ResponseStart`, then body chunks. While a chunk waits to be taken, later chunks of the
+same response are coalesced into it (up to `coalesce_s` after the first), so a loaded replica sends
+fewer, larger messages through Ray instead of one per token. When the consumer goes away (the
+generator is closed or cancelled), the app sees `http.disconnect` and is cancelled, which makes vLLM
+abort the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class HTTPRequest:
+    """What the ingress forwards to a model replica: enough to rebuild the ASGI scope."""
+
+    method: str
+    path: str
+    body: bytes = b""
+    query_string: bytes = b""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+    def scope(self) -> dict:
+        return {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": self.method,
+            "scheme": "http",
+            "path": self.path,
+            "raw_path": self.path.encode(),
+            "root_path": "",
+            "query_string": self.query_string,
+            "headers": self.headers,
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 80),
+            "state": {},
+        }
+
+
+@dataclass
+class ResponseStart:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+
+    def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
+        return next((v for k, v in self.headers if k.lower() == name), default)
+
+
+_DONE = object()
+
+
+async def stream_asgi(app, request: HTTPRequest, coalesce_s: float = 0.0) -> AsyncIterator[ResponseStart | bytes]:
+    """Run `app` on `request`; yield the ResponseStart, then the body in chunks."""
+    queue: asyncio.Queue = asyncio.Queue()
+    disconnected = asyncio.Event()
+    body_given = False
+
+    async def receive() -> dict:
+        nonlocal body_given
+        if not body_given:
+            body_given = True
+            return {"type": "http.request", "body": request.body, "more_body": False}
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        queue.put_nowait(message)
+
+    task = asyncio.create_task(app(request.scope(), receive, send))
+    task.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    try:
+        async for item in _responses(queue, coalesce_s):
+            yield item
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    finally:
+        disconnected.set()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # the app's own cancellation; the consumer is gone
+                pass
+
+
+async def _responses(queue: asyncio.Queue, coalesce_s: float) -> AsyncIterator[ResponseStart | bytes]:
+    first_body = True
+    while True:
+        message = await queue.get()
+        if message is _DONE:
+            return
+        if message["type"] == "http.response.start":
+            yield ResponseStart(message["status"], list(message.get("headers", [])))
+            continue
+        if message["type"] != "http.response.body":
+            continue
+        chunks = [message.get("body", b"")]
+        ended = not message.get("more_body", False)
+        if not first_body:  # the first chunk goes at once: it carries the time to first token
+            ended = await _coalesce(queue, chunks, ended, coalesce_s)
+        first_body = False
+        if data := b"".join(chunks):
+            yield data
+        if ended:
+            return
+
+
+async def _coalesce(queue: asyncio.Queue, chunks: list[bytes], ended: bool, coalesce_s: float) -> bool:
+    """Append what is already queued (and what arrives within `coalesce_s`) to `chunks`."""
+    deadline = time.monotonic() + coalesce_s
+    while not ended:
+        if queue.empty():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                message = await asyncio.wait_for(queue.get(), remaining)
+            except asyncio.TimeoutError:
+                break
+        else:
+            message = queue.get_nowait()
+        if message is _DONE:
+            queue.put_nowait(_DONE)
+            break
+        if message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            ended = not message.get("more_body", False)
+    return ended

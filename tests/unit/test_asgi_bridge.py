@@ -1,0 +1,65 @@
+"""The in-process ASGI bridge, driven with a small ASGI app (no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from deployments.asgi_bridge import HTTPRequest, ResponseStart, stream_asgi
+from deployments.errors import openai_error_bytes
+
+
+def make_app(chunks: list[bytes], delay_s: float, events: list):
+    async def app(scope, receive, send):
+        request = await receive()
+        events.append(("body", request["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        try:
+            for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await asyncio.sleep(delay_s)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            events.append(("cancelled",))
+            raise
+    return app
+
+
+async def collect(app, coalesce_s: float) -> list:
+    return [item async for item in stream_asgi(app, HTTPRequest("POST", "/x", b"payload"), coalesce_s)]
+
+
+def test_forwards_start_then_each_chunk():
+    events: list = []
+    items = asyncio.run(collect(make_app([b"a", b"b", b"c"], 0.02, events), 0.0))
+    assert isinstance(items[0], ResponseStart) and items[0].status == 200
+    assert items[1:] == [b"a", b"b", b"c"]
+    assert events == [("body", b"payload")]
+
+
+def test_coalesces_after_the_first_chunk():
+    items = asyncio.run(collect(make_app([b"1", b"2", b"3", b"4", b"5"], 0.005, []), 0.2))
+    assert items[1] == b"1"  # the first chunk is never held back
+    assert b"".join(items[1:]) == b"12345" and len(items) < 6
+
+
+def test_consumer_going_away_cancels_the_app():
+    events: list = []
+
+    async def run():
+        gen = stream_asgi(make_app([b"x"] * 1000, 0.01, events), HTTPRequest("POST", "/x"))
+        assert isinstance(await gen.__anext__(), ResponseStart)
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(run())
+    assert ("cancelled",) in events
+
+
+def test_error_bodies_become_openai_shaped():
+    kept = b'{"error": {"message": "m", "type": "BadRequestError", "param": null, "code": 400}}'
+    assert openai_error_bytes(400, kept) == kept
+    import json
+
+    wrapped = json.loads(openai_error_bytes(405, b'{"detail": "Method Not Allowed"}'))
+    assert wrapped == {"error": {"message": "Method Not Allowed", "type": "MethodNotAllowed", "param": None, "code": 405}}
+    assert json.loads(openai_error_bytes(500, b"oops"))["error"]["message"] == "oops"

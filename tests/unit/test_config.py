@@ -1,0 +1,98 @@
+"""Config validation: unknown or wrong keys fail at build time, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from app.builder import llm_deployment_options
+from app.config import ModelConfig, SummitConfig, expand_env
+
+
+def model(**overrides) -> dict:
+    return {"name": "m", "source": "/models/m", "accelerator": "cpu", **overrides}
+
+
+def error_text(args: dict) -> str:
+    with pytest.raises(ValidationError) as e:
+        SummitConfig.model_validate(args)
+    return str(e.value)
+
+
+def test_minimal_config_validates():
+    cfg = SummitConfig.model_validate({"models": [model()]})
+    assert cfg.models[0].tensor_parallel_size == 1 and cfg.ingress.num_replicas == 1
+
+
+def test_unknown_top_level_and_model_keys_are_named():
+    assert "colour" in error_text({"models": [model()], "colour": "red"})
+    assert "tensor_parallel" in error_text({"models": [model(tensor_parallel=2)]})
+    assert "replicas" in error_text({"models": [model(deployment={"replicas": 2})]})
+
+
+def test_unknown_engine_kwarg_is_named_with_suggestion():
+    text = error_text({"models": [model(engine_kwargs={"max_num_seq": 8})]})
+    assert "engine_kwargs.max_num_seq" in text and "max_num_seqs" in text
+
+
+def test_engine_kwarg_with_wrong_type_is_named():
+    text = error_text({"models": [model(engine_kwargs={"max_num_seqs": "many"})]})
+    assert "engine_kwargs.max_num_seqs" in text and "wrong type" in text
+    assert "engine_kwargs.enforce_eager" in error_text({"models": [model(engine_kwargs={"enforce_eager": [1]})]})
+
+
+def test_real_engine_kwargs_pass():
+    kwargs = {"max_num_seqs": 8, "enforce_eager": True, "dtype": "bfloat16", "kv_cache_memory_bytes": 1 << 26,
+              "max_model_len": 1024, "load_format": "dummy", "enable_prefix_caching": True}
+    assert ModelConfig.model_validate(model(engine_kwargs=kwargs)).engine_kwargs == kwargs
+
+
+def test_reserved_engine_kwargs_point_to_the_right_key():
+    assert "`source`" in error_text({"models": [model(engine_kwargs={"model": "/x"})]})
+    assert "`tensor_parallel_size` key" in error_text({"models": [model(engine_kwargs={"tensor_parallel_size": 2})]})
+
+
+def test_frontend_kwargs_checked_against_vllm_server_options():
+    ModelConfig.model_validate(model(frontend_kwargs={"response_role": "assistant"}))
+    assert "frontend_kwargs.chat_templat" in error_text({"models": [model(frontend_kwargs={"chat_templat": "x"})]})
+
+
+def test_model_names_unique_and_source_required():
+    assert "repeated: m" in error_text({"models": [model(), model()]})
+    assert "exactly one of `source`" in error_text({"models": [{"name": "x"}]})
+    assert "at least 1" in error_text({"models": []})
+
+
+def test_source_from_env_and_yaml():
+    m = ModelConfig.model_validate(model(source="${MODEL_DIR:-~/fallback}/tiny"))
+    assert m.resolved_source({"MODEL_DIR": "/data"}) == "/data/tiny"
+    assert m.resolved_source({}).endswith("/fallback/tiny") and not m.resolved_source({}).startswith("~")
+    m = ModelConfig.model_validate({"name": "m", "source_env": "SUMMIT_MODEL"})
+    assert m.resolved_source({"SUMMIT_MODEL": "/w"}) == "/w"
+    with pytest.raises(ValueError, match="SUMMIT_MODEL is not set"):
+        m.resolved_source({})
+    with pytest.raises(ValueError, match="NOPE is not set"):
+        expand_env("$NOPE/x", {})
+
+
+def test_max_ongoing_requests_follows_engine_batch():
+    opts = llm_deployment_options(ModelConfig.model_validate(model(engine_kwargs={"max_num_seqs": 48})))
+    assert opts["max_ongoing_requests"] == 48  # not Serve's default of 5
+    assert opts["ray_actor_options"] == {"num_cpus": 0.5}
+    opts = llm_deployment_options(ModelConfig.model_validate(
+        model(accelerator="gpu", deployment={"max_ongoing_requests": 300, "num_replicas": 2})))
+    assert opts["max_ongoing_requests"] == 300 and opts["num_replicas"] == 2
+    assert opts["ray_actor_options"]["num_gpus"] == 1
+
+
+def test_shipped_tiny_yaml_validates():
+    from pathlib import Path
+
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).parents[2] / "serve_configs/tiny-cpu.yaml").read_text())
+    assert doc["http_options"]["host"] == "127.0.0.1"
+    app = doc["applications"][0]
+    assert app["runtime_env"]["env_vars"]["RAY_AUTH_MODE"] == "disabled"
+    cfg = SummitConfig.model_validate(app["args"])
+    assert cfg.models[0].accelerator == "cpu"
