@@ -1,0 +1,145 @@
+"""The Serve request routers (deployments/routers.py), driven through Serve's own selection path without Ray.
+
+The routers are built the way Serve builds them (constructor, `initialize_state`, `update_replicas`) with
+fake replicas that answer queue-length probes; requests go through `_choose_replica_for_request`, the
+method Serve's handle awaits, so Serve's ranking, probing and queue-length cache are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+from ray import serve
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from deployments.asgi_bridge import HTTPRequest
+from deployments.routers import PrefixAffinityRouter, SessionAffinityRouter, request_router_options
+
+DEPLOYMENT = DeploymentID(name="LLMServer:fake", app_name="summit")
+
+
+class FakeReplica:
+    """What a router reads from Serve's RunningReplica, with a settable queue length."""
+
+    def __init__(self, unique_id: str, queue_len: int = 0):
+        self.replica_id = ReplicaID(unique_id, DEPLOYMENT)
+        self.queue_len = queue_len
+        self.max_ongoing_requests = 100
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+def make_router(cls, replicas, **kwargs):
+    router = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True)
+    router.initialize_state(**kwargs)
+    router.update_replicas(replicas)
+    return router
+
+
+def pending(body: dict | None = None, headers: list | None = None) -> PendingRequest:
+    raw = json.dumps(body).encode() if body is not None else b""
+    request = HTTPRequest("POST", "/v1/chat/completions", raw, headers=headers or [])
+    rid = uuid.uuid4().hex
+    return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(request_id=rid, internal_request_id=rid))
+
+
+async def route(router, request: PendingRequest) -> str:
+    replica = await asyncio.wait_for(router._choose_replica_for_request(request), 5)
+    return replica.replica_id.unique_id
+
+
+def set_load(router, replica: FakeReplica, queue_len: int) -> None:
+    replica.queue_len = queue_len
+    router.on_new_queue_len_info(replica.replica_id, queue_len)
+
+
+def chat(system: str, question: str) -> dict:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def test_session_sticks_and_moves_when_its_replica_is_removed():
+    async def scenario():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router = make_router(SessionAffinityRouter, [a, b])
+        session = [(b"x-session-id", b"conversation-1")]
+        home = await route(router, pending({"messages": []}, session))
+        for load in (0, 30, 60):
+            set_load(router, {"a": a, "b": b}[home], load)
+            assert await route(router, pending({"messages": []}, session)) == home
+        survivor = b if home == "a" else a
+        router.update_replicas([survivor])
+        assert await route(router, pending({"messages": []}, session)) == survivor.replica_id.unique_id
+        router.update_replicas([a, b])  # the old replica (or a new one) comes back: the session stays put
+        assert await route(router, pending({"messages": []}, session)) == survivor.replica_id.unique_id
+
+    asyncio.run(scenario())
+
+
+def test_session_from_user_field_and_keyless_requests_use_load():
+    async def scenario():
+        a, b = FakeReplica("a", 0), FakeReplica("b", 50)
+        router = make_router(SessionAffinityRouter, [a, b])
+        assert {await route(router, pending({"user": "alice"})) for _ in range(4)} == {"a"}
+        # Without a session every request goes to the less loaded replica (power of two over 2 replicas).
+        assert {await route(router, pending({"messages": []})) for _ in range(6)} == {"a"}
+
+    asyncio.run(scenario())
+
+
+def test_prefixes_spread_repeat_on_one_replica_and_move_when_hot():
+    async def scenario():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        replicas = {"a": a, "b": b}
+        router = make_router(PrefixAffinityRouter, [a, b], prefix_chars=64, imbalance=8)
+        systems = [f"System prompt {i}: be brief. " * 4 for i in range(6)]
+        owners = [await route(router, pending(chat(s, "q0"))) for s in systems]
+        assert owners.count("a") == owners.count("b") == 3
+        for question in ("q1", "q2"):
+            assert [await route(router, pending(chat(s, question))) for s in systems] == owners
+        hot, cold = owners[0], "b" if owners[0] == "a" else "a"
+        set_load(router, replicas[hot], 9)  # 9 - 0 > imbalance 8: the prefix moves, and stays moved
+        assert await route(router, pending(chat(systems[0], "q3"))) == cold
+        set_load(router, replicas[hot], 0)
+        assert await route(router, pending(chat(systems[0], "q4"))) == cold
+
+    asyncio.run(scenario())
+
+
+def test_choose_replicas_ranks_the_choice_first():
+    async def scenario():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        prefix = make_router(PrefixAffinityRouter, [a, b], prefix_chars=8)
+        ranks = await prefix.choose_replicas(prefix._replicas_list, pending({"prompt": "a long enough prompt"}))
+        assert [len(rank) for rank in ranks] == [1, 1]  # the owner, then the others if the owner is full
+        session = make_router(SessionAffinityRouter, [a, b])
+        ranks = await session.choose_replicas(session._replicas_list, pending({"user": "u"}))
+        assert [len(rank) for rank in ranks] == [1]  # a session waits for its own replica
+
+    asyncio.run(scenario())
+
+
+def test_request_router_options_are_accepted_by_serve():
+    assert request_router_options("least_load", prefix_chars=64) == {}
+    options = request_router_options("session_affinity", prefix_chars=64, imbalance=2, max_tracked=10)
+    assert options["request_router_config"]["request_router_kwargs"] == {"max_tracked": 10}
+
+    class Fake:
+        pass
+
+    options = request_router_options("prefix_affinity", prefix_chars=64, imbalance=2)
+    config = serve.deployment(Fake).options(**options)._deployment_config.request_router_config
+    assert config.request_router_class == "deployments.routers.PrefixAffinityRouter"
+    assert config.request_router_kwargs == {"prefix_chars": 64, "imbalance": 2}
+    assert config.get_request_router_class().__name__ == "PrefixAffinityRouter"
+
+
+def test_request_router_options_reject_unknown_names():
+    with pytest.raises(ValueError, match="nearest"):
+        request_router_options("nearest")
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        request_router_options("prefix_affinity", prefix_tokens=4)
