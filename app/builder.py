@@ -10,6 +10,7 @@ from ray.serve import Application
 from app.config import ModelConfig, SummitConfig
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
+from deployments.routers import request_router_options
 
 
 def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
@@ -32,6 +33,8 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
         options["autoscaling_config"] = d.autoscaling_config
     else:
         options["num_replicas"] = d.num_replicas
+    # least_load adds nothing (Serve's default router); the affinity policies name their router and its kwargs.
+    options.update(request_router_options(model.routing.policy, **model.routing.model_dump(exclude={"policy"})))
     return options
 
 

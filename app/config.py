@@ -51,6 +51,24 @@ class DeploymentOptions(_Strict):
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="Time given to running requests when a replica stops.")
 
 
+class RoutingOptions(_Strict):
+    """How the ingress picks one of a model's replicas (decisions in app/routing.py, Serve routers in deployments/routers.py)."""
+
+    policy: Literal["least_load", "prefix_affinity", "session_affinity"] = Field(
+        "least_load",
+        description="least_load: Serve's power-of-two choices; prefix_affinity: same leading prompt block → same replica "
+        "(vLLM prefix-cache hits) unless overloaded; session_affinity: same `x-session-id` header (or `user`) → same replica while it lives.",
+    )
+    prefix_chars: int = Field(
+        1024, ge=16, description="prefix_affinity: characters of the prompt's leading block (stand-in for tokens: ≈ 4 per token; "
+        "cover at least one vLLM KV block, 128 tokens on CPU / 16 on GPU). Shorter prompts are routed by load."
+    )
+    imbalance: int = Field(
+        8, ge=0, description="prefix_affinity: ongoing requests a prefix's replica may have above the least-loaded one before the prefix moves."
+    )
+    max_tracked: int = Field(100_000, ge=1, description="Prefixes or sessions remembered per ingress replica (least recently used dropped).")
+
+
 class ModelConfig(_Strict):
     """One served model: where its weights are, how vLLM runs it, how Serve deploys it."""
 
@@ -70,6 +88,7 @@ class ModelConfig(_Strict):
         0.0, ge=0, le=1000, description="Merge a stream's chunks that arrive within this window into one message (first token never waits)."
     )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options.")
+    routing: RoutingOptions = Field(default_factory=RoutingOptions, description="Replica choice: least_load (default), prefix_affinity or session_affinity.")
 
     @field_validator("name")
     @classmethod
