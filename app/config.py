@@ -89,6 +89,28 @@ class ModelConfig(_Strict):
     )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options.")
     routing: RoutingOptions = Field(default_factory=RoutingOptions, description="Replica choice: least_load (default), prefix_affinity or session_affinity.")
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="GPUs of each node this model is placed on (placement and `summit validate`); default 8."
+    )
+    allow_cross_node_tp: bool = Field(
+        False, description="Accept a TP group split across nodes (all-reduce over the network every layer); refused otherwise."
+    )
+    model_preset: str | None = Field(
+        None, description="Architecture preset (llama-3.1-8b/70b/405b) that `summit validate` sizes when the checkpoint's "
+        "config.json is not readable where it runs. Not used to load the model."
+    )
+
+    @field_validator("model_preset")
+    @classmethod
+    def _preset_known(cls, v: str | None) -> str | None:
+        if v is not None:
+            from app.model_presets import get_preset
+
+            try:
+                get_preset(v)
+            except KeyError as e:
+                raise ValueError(f"models[].model_preset: {e.args[0]}") from None
+        return v
 
     @field_validator("name")
     @classmethod
