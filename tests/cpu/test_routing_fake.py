@@ -1,0 +1,98 @@
+"""The routers inside a real Ray Serve, with fake model deployments (no vLLM): each fake replica answers with
+its own replica id, as `LLMServer` reports it in `x-summit-replica`.
+
+A private Ray (own temp dir, no dashboard, no HTTP proxy, 2 CPUs) is started for this module and shut down
+after it. The handle lives in the test process, so the routers run here exactly as they run in the ingress.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from deployments.asgi_bridge import HTTPRequest
+from deployments.routers import request_router_options
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeLLMServer:
+    """Stands in for LLMServer: same call shape (`handle_http(HTTPRequest)`), answers with its replica id."""
+
+    def handle_http(self, request: HTTPRequest) -> str:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+
+
+@pytest.fixture(scope="module")
+def serve_fakes():
+    import ray
+    from ray import serve
+
+    temp_dir = tempfile.mkdtemp(prefix="summit-routing-fake-", dir="/tmp")
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, _node_ip_address="127.0.0.1",
+        logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+    )
+    try:
+        serve.start(proxy_location="Disabled")
+        handles = {}
+        for policy in ("session_affinity", "prefix_affinity"):
+            options = request_router_options(policy, prefix_chars=64, imbalance=8, max_tracked=100)
+            fake = serve.deployment(FakeLLMServer).options(
+                name=f"FakeLLMServer:{policy}", num_replicas=2, ray_actor_options={"num_cpus": 0}, **options
+            )
+            handles[policy] = serve.run(fake.bind(), name=f"fake-{policy}", route_prefix=None)
+        yield handles
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def call(handle, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> str:
+    request = HTTPRequest("POST", "/v1/chat/completions", json.dumps(body).encode(), headers=headers or [])
+    return handle.handle_http.remote(request).result(timeout_s=30)
+
+
+def test_a_session_sticks_and_sessions_spread(serve_fakes):
+    handle = serve_fakes["session_affinity"]
+    homes = {}
+    for session in ("s1", "s2", "s3", "s4"):
+        replicas = {call(handle, {"messages": []}, [(b"x-session-id", session.encode())]) for _ in range(4)}
+        assert len(replicas) == 1, f"session {session} answered by {replicas}"
+        homes[session] = replicas.pop()
+    assert len(set(homes.values())) == 2, f"sessions did not spread: {homes}"
+
+
+def test_prefix_repeats_stay_and_distinct_prefixes_spread(serve_fakes):
+    handle = serve_fakes["prefix_affinity"]
+    systems = [f"System prompt {i}: answer briefly and cite sources. " * 3 for i in range(4)]
+    owners = [{call(handle, {"messages": [{"role": "system", "content": s}, {"role": "user", "content": f"q{q}"}]})
+               for q in range(3)} for s in systems]
+    assert all(len(o) == 1 for o in owners), owners
+    assert len({o.pop() for o in owners}) == 2
+
+
+def test_a_removed_replicas_sessions_move(serve_fakes):
+    import ray
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    handle = serve_fakes["session_affinity"]  # the same handle: its router remembers the sessions' homes
+    sessions = [[(b"x-session-id", f"moving-{i}".encode())] for i in range(4)]
+    homes = [call(handle, {}, s) for s in sessions]
+    assert len(set(homes)) == 2
+    victim = homes[0]
+    deployment = DeploymentID(name="FakeLLMServer:session_affinity", app_name="fake-session_affinity")
+    ray.kill(ray.get_actor(ReplicaID(victim, deployment).to_full_id_str(), namespace="serve"), no_restart=True)
+    # Serve removes the dead replica (and starts a replacement): its sessions move, the others stay.
+    now = [call(handle, {}, s) for s in sessions]
+    assert victim not in now
+    assert [n for n, h in zip(now, homes) if h != victim] == [h for h in homes if h != victim]
+    assert [call(handle, {}, s) for s in sessions] == now  # remembered on their new replica
