@@ -22,6 +22,94 @@ def _make_model_config(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _load_shape(model: str):
+    """A preset name, a config.json file, or a checkpoint directory holding one."""
+    import json
+    from pathlib import Path
+
+    from app.planner import load_shape
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return load_shape(path.parent.name if path.name == "config.json" else path.stem, json.loads(path.read_text()))
+    if "/" in model or model.endswith(".json"):
+        raise ValueError(f"--model {model}: no such config.json")
+    return load_shape(model)
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    from app import planner
+
+    try:
+        shape = _load_shape(ns.model)
+        budget = planner.Budget(ns.gpu, ns.gpu_memory_utilization, ns.max_num_batched_tokens, ns.max_num_seqs)
+        tokens = planner.parse_tokens(ns.context)
+        print(planner.format_plan(planner.plan(shape, ns.gpu, tokens, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget)))
+    except (KeyError, ValueError) as e:
+        print(f"summit plan: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _validate(ns: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from app.validate import Hardware, validate_file
+
+    try:
+        report = validate_file(ns.file, Hardware(ns.gpu, ns.gpus_per_node, ns.nodes))
+    except (ValidationError, ValueError, OSError) as e:
+        print(f"summit validate: {ns.file}: {e}", file=sys.stderr)
+        return 1
+    for line in report.lines:
+        print(line)
+    for problem in report.problems:
+        print(f"error: {problem}", file=sys.stderr)
+    print(f"{ns.file}: {'ok' if report.ok else 'does not fit'}", file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _kuberay(ns: argparse.Namespace) -> int:
+    from app.kuberay import render_rayservice
+
+    sys.stdout.write(render_rayservice(ns.file, name=ns.name, image=ns.image, gpus_per_node=ns.gpus_per_node,
+                                       models_pvc=ns.models_pvc))
+    return 0
+
+
+def _add_sizing_commands(sub) -> None:
+    from app.planner import GPUS_MIB, KV_BYTES, WEIGHT_BYTES
+
+    p = sub.add_parser("plan", help="weights + KV cache → GPUs, suggested TP / PP / nodes")
+    p.add_argument("--model", required=True, help="preset (llama-3.1-8b|70b|405b, or 8b|70b|405b) or path to config.json")
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS_MIB))
+    p.add_argument("--context", default="131072", help="tokens of one sequence: 131072, 128k (=128,000) or 128Ki")
+    p.add_argument("--dtype", default="bf16", choices=list(WEIGHT_BYTES), help="weights")
+    p.add_argument("--kv-dtype", default="bf16", choices=list(KV_BYTES), help="KV cache")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill chunk (activation headroom)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="batch size (sampler headroom)")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("validate", help="refuse a Serve YAML whose models cannot fit the given GPUs and nodes")
+    p.add_argument("file")
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS_MIB))
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, required=True)
+    p.set_defaults(func=_validate)
+
+    p = sub.add_parser("kuberay", help="print a KubeRay RayService whose serveConfigV2 is FILE (a Serve YAML)")
+    p.add_argument("file")
+    p.add_argument("--name", default=None, help="RayService name (default: summit-<file stem>)")
+    p.add_argument("--image", default="summit:0.1.0-gpu", help="Ray 2.60 GPU image with Summit installed")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--models-pvc", default="summit-models", help="PersistentVolumeClaim mounted at /models")
+    p.set_defaults(func=_kuberay)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="summit", description="Serve large open LLMs with vLLM on Ray Serve.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("preset", help="llama-3.1-8b | llama-3.1-70b | llama-3.1-405b (or 8b, 70b, 405b)")
     p.add_argument("dir")
     p.set_defaults(func=_make_model_config)
+    _add_sizing_commands(sub)
     return parser
 
 
