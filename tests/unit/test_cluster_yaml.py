@@ -1,0 +1,148 @@
+"""cluster_yaml/: launcher files against Ray's own schema, the SLURM script, the generated KubeRay RayService."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.cli import main
+from app.kuberay import render_rayservice
+
+ROOT = Path(__file__).parents[2]
+CLUSTER = ROOT / "cluster_yaml"
+LAUNCHER_FILES = ["aws.yaml", "gcp.yaml", "onprem.yaml"]
+SBATCH = CLUSTER / "slurm/summit.sbatch"
+
+
+def ray_schema() -> dict:
+    ray_dir = Path(importlib.util.find_spec("ray").submodule_search_locations[0])
+    return json.loads((ray_dir / "autoscaler/ray-schema.json").read_text())
+
+
+@pytest.mark.parametrize("name", LAUNCHER_FILES)
+def test_launcher_files_match_rays_schema(name):
+    import jsonschema
+
+    config = yaml.safe_load((CLUSTER / name).read_text())
+    jsonschema.validate(config, ray_schema())
+
+
+@pytest.mark.parametrize("name", LAUNCHER_FILES)
+def test_launcher_files_pass_rays_own_config_preparation(name):
+    from ray.autoscaler._private.commands import prepare_config
+    from ray.autoscaler._private.util import validate_config
+
+    validate_config(prepare_config(yaml.safe_load((CLUSTER / name).read_text())))
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "gcp.yaml"])
+def test_cloud_files_have_an_8_gpu_worker_type_and_deploy_summit(name):
+    config = yaml.safe_load((CLUSTER / name).read_text())
+    workers = {k: v for k, v in config["available_node_types"].items() if k != config["head_node_type"]}
+    node_config = next(iter(workers.values()))["node_config"]
+    assert node_config.get("InstanceType") == "p5.48xlarge" or node_config.get("machineType") == "a3-highgpu-8g"
+    assert any('"summit[gpu]==0.1.0"' in c for c in config["setup_commands"])
+    assert any("serve deploy ~/summit/serve_configs/" in c for c in config["head_start_ray_commands"])
+    assert config["provider"]["type"] == name.removesuffix(".yaml")
+
+
+def test_onprem_uses_the_local_provider():
+    assert yaml.safe_load((CLUSTER / "onprem.yaml").read_text())["provider"]["type"] == "local"
+
+
+@pytest.mark.parametrize("name", LAUNCHER_FILES)
+def test_launcher_files_use_token_auth_everywhere(name):
+    config = yaml.safe_load((CLUSTER / name).read_text())
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    for command in (c for c in starts if "ray start" in c or "serve deploy" in c):
+        assert "RAY_AUTH_MODE=token" in command, command
+    assert any("RAY_AUTH_MODE=token" in c for c in config["setup_commands"])
+
+
+def test_every_cluster_config_uses_token_auth():
+    for path in sorted(CLUSTER.rglob("*")):
+        if path.is_file():
+            text = path.read_text()
+            assert "RAY_AUTH_MODE=token" in text or "mode: token" in text, path
+
+
+def test_rayservice_is_a_fresh_generation(monkeypatch):
+    committed = (CLUSTER / "kuberay/rayservice.yaml").read_text()
+    monkeypatch.chdir(ROOT)  # the header names the Serve YAML as given on the command line
+    assert committed == render_rayservice("serve_configs/llama70b.yaml"), \
+        "regenerate: summit kuberay serve_configs/llama70b.yaml > cluster_yaml/kuberay/rayservice.yaml"
+
+
+def test_rayservice_content():
+    doc = yaml.safe_load((CLUSTER / "kuberay/rayservice.yaml").read_text())
+    assert doc["kind"] == "RayService" and doc["apiVersion"] == "ray.io/v1"
+    cluster = doc["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"} and cluster["rayVersion"] == "2.60.0"
+    serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}  # the pod network; commented as deliberate
+    assert "is deliberate" in doc["spec"]["serveConfigV2"]
+    source = yaml.safe_load((ROOT / "serve_configs/llama70b.yaml").read_text())
+    assert serve["applications"][0]["args"] == source["applications"][0]["args"]
+    assert serve["applications"][0]["runtime_env"]["env_vars"]["RAY_AUTH_MODE"] == "token"
+    worker = cluster["workerGroupSpecs"][0]
+    assert worker["replicas"] == 1
+    assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_kuberay_sizes_the_gpu_group_from_the_plans(capsys):
+    assert main(["kuberay", str(ROOT / "serve_configs/llama405b.yaml"), "--name", "big"]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["metadata"]["name"] == "big"
+    assert doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] == 2  # TP 8 × PP 2 on 8-GPU pods
+
+
+def test_sbatch_passes_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install -y shellcheck)")
+    result = subprocess.run(["shellcheck", str(SBATCH)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def dry_run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SUMMIT_NODES": "gpu-a gpu-b gpu-c", **env}
+    return subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=environment, cwd=tmp_path)
+
+
+def test_sbatch_dry_run_prints_the_cluster_commands(tmp_path):
+    result = dry_run(tmp_path, "--dry-run", "--config", "serve_configs/llama405b.yaml", "--port", "6380",
+                     "--dashboard-port", "8266", "--log-dir", str(tmp_path / "logs"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    head = [x for x in lines if "ray start --head" in x]
+    assert len(head) == 1 and "srun --nodes=1 --ntasks=1 -w gpu-a" in head[0]
+    assert "--port=6380" in head[0] and "--dashboard-port=8266" in head[0] and "--block" in head[0]
+    assert f"{tmp_path}/logs/ray-head.log" in head[0]
+    workers = [x for x in lines if "ray start --block --address=gpu-a:6380" in x]
+    assert [w.split(" -w ")[1].split()[0] for w in workers] == ["gpu-b", "gpu-c"]
+    assert "+ serve deploy serve_configs/llama405b.yaml --address http://127.0.0.1:8266" in lines
+    assert "+ ray get-auth-token --generate > /dev/null" in lines  # no token in $HOME yet: made, never printed
+    assert not (tmp_path / "logs").exists()  # nothing ran
+
+
+def test_sbatch_dry_run_from_env_and_token_present(tmp_path):
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray/auth_token").write_text("secret")
+    result = dry_run(tmp_path, DRY_RUN="1", SERVE_CONFIG="serve_configs/llama70b.yaml", SUMMIT_NODES="n1")
+    assert result.returncode == 0, result.stderr
+    assert "get-auth-token" not in result.stdout and "secret" not in result.stdout
+    assert "+ serve deploy serve_configs/llama70b.yaml --address http://127.0.0.1:8265" in result.stdout
+    assert "--port=6379" in result.stdout and "ray start --block --address" not in result.stdout
+
+
+def test_sbatch_refuses_unknown_options_and_missing_nodes(tmp_path):
+    assert dry_run(tmp_path, "--dry-run", "--nope").returncode == 2
+    result = dry_run(tmp_path, "--dry-run", SUMMIT_NODES="")
+    assert result.returncode == 1 and "SUMMIT_NODES" in result.stderr
