@@ -161,3 +161,13 @@ def test_summit_plan_errors_are_named(capsys, tmp_path):
     assert rc == 2 and "unknown model preset 'llama-9b'" in err
     rc, _, err = run_cli(capsys, "plan", "--model", str(tmp_path / "none.json"), "--gpu", "h100-80gb")
     assert rc == 2 and "no such config.json" in err
+
+
+def test_readme_sizing_shows_current_plan_output(capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for model in ("8b", "70b", "405b"):
+        argv = ["plan", "--model", model, "--gpu", "h100-80gb", "--context", "128k", "--dtype", "bf16"]
+        _, out, _ = run_cli(capsys, *argv)
+        assert f"$ summit {' '.join(argv)}\n{out}" in readme, f"README's Sizing output for {model} is stale"
