@@ -72,7 +72,8 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        h, q, kv, inter = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        h, inter = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         mlp = 3 * h * inter + (2 * inter + h if self.mlp_bias else 0)
         return attention + mlp + 2 * h  # + input and post-attention RMSNorm
@@ -167,7 +168,8 @@ def per_gpu(shape: ModelShape, dtype: str, kv_dtype: str, tokens: int, tp: int, 
     if pp == 1:
         stage_weights = weight_bytes(shape, dtype)
     else:  # heaviest stage: its layers plus one vocab matrix (embedding on the first, lm_head on the last)
-        stage_weights = layers * shape.layer_params * _dtype_bytes(dtype) + shape.vocab_params * max(_dtype_bytes(dtype), 2.0)
+        per = _dtype_bytes(dtype)
+        stage_weights = layers * shape.layer_params * per + shape.vocab_params * max(per, 2.0)
     kv_heads = math.ceil(shape.num_kv_heads / tp)  # TP > kv_heads replicates heads: each rank keeps one
     kv = layers * 2 * kv_heads * shape.head_dim * KV_BYTES[kv_dtype] * tokens
     return PerGpu(stage_weights / tp, kv, budget.room(shape, tp))
@@ -270,39 +272,52 @@ def throughput_hint(p: SizingPlan) -> str:
     if lay.nodes > 1:
         return f"1 replica per {lay.nodes} nodes; add replicas in steps of {lay.nodes} nodes"
     replicas = p.gpus_per_node // lay.gpus
-    hint = f"{replicas} replicas × TP {lay.tp}" + (f" × PP {lay.pp}" if lay.pp > 1 else "") + f" per {p.gpus_per_node}-GPU node"
+    pp = f" × PP {lay.pp}" if lay.pp > 1 else ""
+    hint = f"{_plural(replicas, 'replica')} × TP {lay.tp}{pp} per {p.gpus_per_node}-GPU node"
     if lay.gpus == 1:
         hint += " (fits one GPU: replicas of TP 1 out-serve one TP 2/4/8 engine)"
     return hint
 
 
-def format_plan(p: SizingPlan) -> str:
-    """The `summit plan` table."""
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n > 1 else ''}"
+
+
+def _sizing_rows(p: SizingPlan) -> list[tuple[str, str]]:
     s, b = p.shape, p.budget
-    nominal = f" (nominal {p.shape.nominal_params / 1e9:g} B)" if s.nominal_params else ""
-    total_gib = gpu_bytes(b.gpu) / GiB
+    nominal = f" (nominal {s.nominal_params / 1e9:g} B)" if s.nominal_params else ""
+    total, util = gpu_bytes(b.gpu) / GiB, b.gpu_memory_utilization
     tp = p.layout.tp if p.layout else 1
-    rows = [
-        ("model", f"{s.name}: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads / {s.num_kv_heads} KV heads × {s.head_dim}"),
+    return [
+        ("model", f"{s.name}: {s.num_layers} layers, hidden {s.hidden_size}, "
+                  f"{s.num_heads} heads / {s.num_kv_heads} KV heads × {s.head_dim}"),
         ("parameters", f"{s.params / 1e9:.2f} B{nominal}"),
         (f"weights ({p.dtype})", f"{p.weights / GB:.1f} GB = {p.weights / GiB:.1f} GiB"),
         (f"KV per token ({p.kv_dtype})", f"{p.kv_per_token / 1024:g} KiB"),
         (f"KV for {p.tokens:,} tokens", f"{p.kv_context / GiB:.2f} GiB"),
-        ("GPU", f"{b.gpu}: {total_gib:.1f} GiB × gpu_memory_utilization {b.gpu_memory_utilization:g} = {total_gib * b.gpu_memory_utilization:.1f} GiB"),
+        ("GPU", f"{b.gpu}: {total:.1f} GiB × gpu_memory_utilization {util:g} = {total * util:.1f} GiB"),
         ("headroom per GPU", f"{b.headroom(s, tp) / GiB:.1f} GiB (1.5 fixed + activations + logits, at TP {tp})"),
         ("room per GPU", f"{b.room(s, tp) / GiB:.1f} GiB for weights + KV"),
         ("GPUs needed", f"{p.gpus_needed} (weights + KV of one {p.tokens:,}-token sequence)"),
     ]
+
+
+def _layout_rows(p: SizingPlan) -> list[tuple[str, str]]:
     if p.layout is None or p.layout_usage is None:
-        rows.append(("suggested", f"none: does not fit {MAX_PIPELINE} pipeline stages of {b.gpu}"))
-    else:
-        lay, u = p.layout, p.layout_usage
-        rows += [
-            ("suggested", f"TP {lay.tp} × PP {lay.pp} = {lay.gpus} GPU{'s' if lay.gpus > 1 else ''} on {lay.nodes} node{'s' if lay.nodes > 1 else ''} ({p.gpus_per_node} GPUs per node)"),
-            ("per GPU", f"{u.weights / GiB:.1f} GiB weights + {u.kv / GiB:.1f} GiB KV of {u.room / GiB:.1f} GiB room"),
-            ("KV cache per replica", f"{kv_capacity_tokens(p):,} tokens ({kv_capacity_tokens(p) / p.tokens:.1f} full-context sequences)"),
-            ("throughput", throughput_hint(p)),
-        ]
+        return [("suggested", f"none: does not fit {MAX_PIPELINE} pipeline stages of {p.budget.gpu}")]
+    lay, u, capacity = p.layout, p.layout_usage, kv_capacity_tokens(p)
+    return [
+        ("suggested", f"TP {lay.tp} × PP {lay.pp} = {_plural(lay.gpus, 'GPU')} on {_plural(lay.nodes, 'node')} "
+                      f"({p.gpus_per_node} GPUs per node)"),
+        ("per GPU", f"{u.weights / GiB:.1f} GiB weights + {u.kv / GiB:.1f} GiB KV of {u.room / GiB:.1f} GiB room"),
+        ("KV cache per replica", f"{capacity:,} tokens ({capacity / p.tokens:.1f} full-context sequences)"),
+        ("throughput", throughput_hint(p)),
+    ]
+
+
+def format_plan(p: SizingPlan) -> str:
+    """The `summit plan` table."""
+    rows = _sizing_rows(p) + _layout_rows(p)
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join(f"{k:<{width}}{v}" for k, v in rows)
 
