@@ -8,18 +8,31 @@ from ray import serve
 from ray.serve import Application
 
 from app.config import ModelConfig, SummitConfig
+from app.placement import DEFAULT_GPUS_PER_NODE, placement_deployment_options, plan_placement
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.routers import request_router_options
 
 
+def replica_resources(model: ModelConfig) -> dict[str, Any]:
+    """One GPU (or CPUs) for a single-worker engine; a placement group (app/placement.py) for TP x PP on GPUs.
+
+    With a placement group the replica actor takes only CPUs in bundle 0, and vLLM's Ray executor puts one
+    worker on each GPU bundle of the replica's group.
+    """
+    d = model.deployment
+    num_cpus = d.num_cpus if d.num_cpus is not None else (0.5 if model.accelerator == "cpu" else 1.0)
+    if model.accelerator == "cpu" or model.tensor_parallel_size * model.pipeline_parallel_size == 1:
+        gpus = {"num_gpus": 1} if model.accelerator == "gpu" else {}
+        return {"ray_actor_options": {"num_cpus": num_cpus, **gpus}}
+    plan = plan_placement(model.tensor_parallel_size, model.pipeline_parallel_size, "gpu",
+                          model.gpus_per_node or DEFAULT_GPUS_PER_NODE, model.allow_cross_node_tp, num_cpus)
+    return {"ray_actor_options": {"num_cpus": num_cpus}, **placement_deployment_options(plan)}
+
+
 def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
     """Serve options of one model's engine deployment (pure: no Ray calls)."""
     d = model.deployment
-    num_cpus = d.num_cpus if d.num_cpus is not None else (0.5 if model.accelerator == "cpu" else 1.0)
-    actor_options: dict[str, Any] = {"num_cpus": num_cpus}
-    if model.accelerator == "gpu":
-        actor_options["num_gpus"] = model.tensor_parallel_size * model.pipeline_parallel_size
     options: dict[str, Any] = {
         "name": f"LLMServer:{model.name}",
         "max_ongoing_requests": d.max_ongoing_requests or model.max_num_seqs,
@@ -27,7 +40,7 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
         "health_check_period_s": d.health_check_period_s,
         "health_check_timeout_s": d.health_check_timeout_s,
         "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
-        "ray_actor_options": actor_options,
+        **replica_resources(model),
     }
     if d.autoscaling_config is not None:
         options["autoscaling_config"] = d.autoscaling_config

@@ -150,6 +150,14 @@ class ModelConfig(_Strict):
             return os.path.expanduser(env[self.source_env])
         return expand_env(self.source, env)
 
+    def engine_args(self) -> dict[str, Any]:
+        """engine_kwargs plus the parallel sizes; TP x PP on GPUs runs on vLLM's Ray executor in the replica's group."""
+        kwargs = {**self.engine_kwargs, "tensor_parallel_size": self.tensor_parallel_size,
+                  "pipeline_parallel_size": self.pipeline_parallel_size}
+        if self.accelerator == "gpu" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            kwargs.setdefault("distributed_executor_backend", "ray")
+        return kwargs
+
     @property
     def max_num_seqs(self) -> int:
         return int(self.engine_kwargs.get("max_num_seqs") or 256)

@@ -26,12 +26,7 @@ class LLMServer:
 
     async def __init__(self, model: ModelConfig, source: str):
         self._model = model
-        engine_kwargs = {
-            **model.engine_kwargs,
-            "tensor_parallel_size": model.tensor_parallel_size,
-            "pipeline_parallel_size": model.pipeline_parallel_size,
-        }
-        args = vllm_adapter.serve_namespace(source, model.name, engine_kwargs, model.frontend_kwargs)
+        args = vllm_adapter.serve_namespace(source, model.name, model.engine_args(), model.frontend_kwargs)
         self._replica_id = _replica_id()
         logger.info("Starting vLLM %s for %s from %s", vllm_adapter.vllm_version(), model.name, source)
         self._engine_app = await vllm_adapter.start_engine_app(args)

@@ -96,3 +96,18 @@ def test_shipped_tiny_yaml_validates():
     assert app["runtime_env"]["env_vars"]["RAY_AUTH_MODE"] == "disabled"
     cfg = SummitConfig.model_validate(app["args"])
     assert cfg.models[0].accelerator == "cpu"
+
+
+def test_gpu_tp_pp_gets_a_placement_group_and_the_ray_executor():
+    m = ModelConfig.model_validate(model(accelerator="gpu", tensor_parallel_size=8, pipeline_parallel_size=2,
+                                         gpus_per_node=8))
+    opts = llm_deployment_options(m)
+    assert opts["ray_actor_options"] == {"num_cpus": 1.0}  # the replica actor holds no GPU itself
+    assert len(opts["placement_group_bundles"]) == 16 and opts["placement_group_strategy"] == "PACK"
+    assert opts["placement_group_bundles"][0]["CPU"] > opts["placement_group_bundles"][1]["CPU"]
+    assert m.engine_args()["distributed_executor_backend"] == "ray"
+    single = ModelConfig.model_validate(model(accelerator="gpu"))
+    assert "placement_group_bundles" not in llm_deployment_options(single)
+    assert "distributed_executor_backend" not in single.engine_args()
+    cpu = ModelConfig.model_validate(model(tensor_parallel_size=2))
+    assert "distributed_executor_backend" not in cpu.engine_args()  # vLLM's CPU platform refuses Ray's
