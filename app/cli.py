@@ -11,7 +11,7 @@ DEFAULT_TINY_MODEL = "~/.cache/summit/models/tiny-llama"
 def _make_tiny_model(ns: argparse.Namespace) -> int:
     from app.tiny_model import make_tiny_model
 
-    print(make_tiny_model(ns.dir, seed=ns.seed))
+    print(make_tiny_model(ns.dir, seed=ns.seed, hidden_size=ns.hidden_size))
     return 0
 
 
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="write the tiny random-weight Llama (real tokenizer) to DIR")
     p.add_argument("dir", nargs="?", default=DEFAULT_TINY_MODEL)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=128, help="256 for GPUs (head_dim 64 for FlashAttention)")
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("make-model-config", help="write a real-shape config.json + tokenizer (for load_format: dummy)")

@@ -47,23 +47,26 @@ class LocalCluster:
 
     num_cpus: float = 4
     env: dict[str, str] = field(default_factory=dict)
+    node_ip: str = LOOPBACK
+    num_gpus: int | None = None
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="summit-ray-", dir="/tmp")))
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    workers: list[subprocess.Popen] = field(default_factory=list)
 
     @property
     def address(self) -> str:
-        return f"{LOOPBACK}:{self.gcs_port}"
+        return f"{self.node_ip}:{self.gcs_port}"
 
     @property
     def dashboard_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.dashboard_port}"
+        return f"http://{self.node_ip}:{self.dashboard_port}"
 
     @property
     def base_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.http_port}"
+        return f"http://{self.node_ip}:{self.http_port}"
 
     def start(self, timeout_s: float = 120) -> LocalCluster:
         log = open(self.temp_dir / "ray-start.log", "wb")
@@ -73,19 +76,40 @@ class LocalCluster:
             "--ray-client-server-port": free_port(), "--metrics-export-port": free_port(),
             "--dashboard-agent-listen-port": free_port(), "--runtime-env-agent-port": free_port(),
         }
-        cmd = ["ray", "start", "--head", "--block", "--node-ip-address", LOOPBACK, "--dashboard-host", LOOPBACK,
+        cmd = ["ray", "start", "--head", "--block", "--node-ip-address", self.node_ip, "--dashboard-host", self.node_ip,
                "--temp-dir", str(self.temp_dir), "--num-cpus", str(self.num_cpus), "--disable-usage-stats"]
         for flag, port in ports.items():
             cmd += [flag, str(port)]
+        if self.num_gpus is not None:
+            cmd += ["--num-gpus", str(self.num_gpus)]
         self.proc = subprocess.Popen(cmd, env=loopback_env(self.env), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self._wait(lambda: _http_ok(self.dashboard_url + "/api/version"), timeout_s, "Ray dashboard")
         return self
 
+    def add_worker(self, node_ip: str, num_cpus: float, num_gpus: int = 0, env: dict[str, str] | None = None,
+                   prefix: list[str] | None = None, timeout_s: float = 120) -> None:
+        """Join a worker node (e.g. inside a network namespace: `prefix=["ip", "netns", "exec", NS]`)."""
+        import ray
+
+        log = open(self.temp_dir / f"ray-worker-{len(self.workers)}.log", "wb")
+        cmd = [*(prefix or []), "ray", "start", "--block", "--address", self.address, "--node-ip-address", node_ip,
+               "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--disable-usage-stats"]
+        self.workers.append(subprocess.Popen(cmd, env=loopback_env({**self.env, **(env or {})}), stdout=log,
+                                             stderr=subprocess.STDOUT, start_new_session=True))
+        want = len(self.workers) + 1
+
+        def joined() -> bool:
+            alive = [n for n in ray.nodes() if n["Alive"]]
+            return len(alive) >= want
+
+        ray.init(address=self.address, logging_level="ERROR", log_to_driver=False, ignore_reinit_error=True)
+        self._wait(joined, timeout_s, "Ray worker node")
+
     def serve_deploy(self, config: dict, timeout_s: float = 600, ready_path: str = "/v1/models") -> None:
         """`serve deploy` a Serve config dict (its http_options are pointed at this cluster's port)."""
         config = dict(config)
-        config["http_options"] = {**config.get("http_options", {}), "host": LOOPBACK, "port": self.http_port}
+        config["http_options"] = {**config.get("http_options", {}), "host": self.node_ip, "port": self.http_port}
         path = self.temp_dir / "serve-config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         subprocess.run(["serve", "deploy", str(path), "-a", self.dashboard_url], env=loopback_env(self.env),
@@ -104,7 +128,10 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 pass
             # Ray's daemons and workers run in sessions of their own: signal each descendant, not a group.
-            procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+            procs = []
+            for root in [*self.workers, self.proc]:
+                if root.poll() is None:
+                    procs += [psutil.Process(root.pid)] + psutil.Process(root.pid).children(recursive=True)
             for p in procs:
                 _signal(p, signal.SIGTERM)
             _, alive = psutil.wait_procs(procs, timeout=15)

@@ -102,16 +102,16 @@ def save_tokenizer(tok, out: Path, model_max_length: int, vocab_size: int | None
     return {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
 
 
-def tiny_llama_config(vocab_size: int, ids: dict[str, int], max_len: int) -> dict:
+def tiny_llama_config(vocab_size: int, ids: dict[str, int], max_len: int, hidden_size: int = 128) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 32,
+        "head_dim": hidden_size // 4,
         "hidden_act": "silu",
         "max_position_embeddings": max_len,
         "rms_norm_eps": 1e-5,
@@ -157,15 +157,18 @@ def _random_weights(cfg: dict, seed: int) -> dict:
     return weights
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0, max_len: int = 2048) -> Path:
-    """Write the tiny model to `out_dir` (deterministic for a given seed) and return the path."""
+def make_tiny_model(out_dir: str | Path, seed: int = 0, max_len: int = 2048, hidden_size: int = 128) -> Path:
+    """Write the tiny model to `out_dir` (deterministic for a given seed) and return the path.
+
+    `hidden_size` 256 gives head_dim 64, which GPU attention kernels (FlashAttention 3) support; 128 is the CPU default.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     ids = save_tokenizer(tok, out, model_max_length=max_len)
-    cfg = tiny_llama_config(tok.get_vocab_size(), ids, max_len)
+    cfg = tiny_llama_config(tok.get_vocab_size(), ids, max_len, hidden_size)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]}, indent=2)

@@ -38,7 +38,11 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
 
 
 def engine_env(ns: argparse.Namespace) -> dict[str, str]:
-    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"} if ns.accelerator == "cpu" else {}
+    if ns.accelerator != "cpu":
+        return {}
+    # Ray sets OMP_NUM_THREADS from a replica's num_cpus (0.5 -> 1 thread); vLLM's own server would take every
+    # core. Both peers get the same thread count so that the ratio measures the serving path, not the threads.
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(ns.omp_threads)}
 
 
 def cli_flags(kwargs: dict) -> list[str]:
@@ -58,6 +62,35 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
             return time.monotonic() - t0
         time.sleep(1)
     raise TimeoutError(url)
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy rate (bytes read + written), the HBM bound's denominator."""
+    import torch
+
+    x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / 10
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * (4 << 30) / dt / 1e9
+
+
+def hbm_bound_tok_s(model_dir: str, bandwidth_gbs: float) -> float:
+    """Single-stream decode ceiling: every weight byte is read once per token at the measured copy rate."""
+    from app.planner import load_shape, weight_bytes
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    shape = load_shape(model_dir, config)
+    streamed = weight_bytes(shape, "bf16") - 2 * config["vocab_size"] * config["hidden_size"]  # one embedding row only
+    return bandwidth_gbs * 1e9 / streamed
 
 
 def run_loads(base_url: str, ns: argparse.Namespace) -> list[LoadResult]:
@@ -88,7 +121,7 @@ def bench_summit(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[Lo
              "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1}}
     config = {"proxy_location": "HeadOnly", "applications": [{
         "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
-        "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", **engine_env(ns)}},
+        "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
         "args": {"models": [model]}}]}
     cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=engine_env(ns))
     try:
@@ -114,6 +147,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--coalesce-ms", type=float, default=None, help="Summit's stream_coalesce_ms (default: the config default)")
+    p.add_argument("--omp-threads", type=int, default=1, help="CPU engine threads for both peers (cpu only)")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--only", choices=["vllm", "summit"], default=None)
     p.add_argument("--json", help="also write the figures here")
@@ -129,6 +163,11 @@ def main() -> None:
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama"))
 
+    bound = None
+    if ns.accelerator == "gpu":
+        bw = copy_bandwidth_gbs()
+        bound = hbm_bound_tok_s(model_dir, bw)
+        print(f"copy bandwidth {bw:.0f} GB/s; single-stream HBM bound {bound:.1f} tok/s", flush=True)
     peers = {"vllm": bench_vllm, "summit": bench_summit}
     results: dict[str, tuple[float, list[LoadResult]]] = {}
     for name, fn in peers.items():
@@ -145,6 +184,11 @@ def main() -> None:
         for v, s in zip(results["vllm"][1], results["summit"][1]):
             print(f"ratio summit/vllm at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
                   f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x")
+    if bound:
+        for name, (_, rows) in results.items():
+            for r in rows:
+                if r.concurrency == 1:
+                    print(f"{name} single stream: {r.tok_per_s:.1f} tok/s = {r.tok_per_s / bound:.0%} of the HBM bound")
     if ns.json:
         Path(ns.json).write_text(json.dumps({n: {"ready_s": r[0], "rows": [x.row() for x in r[1]]}
                                              for n, r in results.items()}, indent=2))
