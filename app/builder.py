@@ -35,15 +35,18 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
     d = model.deployment
     options: dict[str, Any] = {
         "name": f"LLMServer:{model.name}",
-        "max_ongoing_requests": d.max_ongoing_requests or model.max_num_seqs,
+        "max_ongoing_requests": model.max_ongoing_requests,
         "max_queued_requests": d.max_queued_requests,
+        # The ingress's handle raises BackPressureError carrying these; the ingress answers with them.
+        "backpressure_config": {"status_code": d.overload_status_code, "retry_after_s": d.retry_after_s},
         "health_check_period_s": d.health_check_period_s,
         "health_check_timeout_s": d.health_check_timeout_s,
         "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
         **replica_resources(model),
     }
-    if d.autoscaling_config is not None:
-        options["autoscaling_config"] = d.autoscaling_config
+    autoscaling = model.serve_autoscaling_config()
+    if autoscaling is not None:
+        options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = d.num_replicas
     # least_load adds nothing (Serve's default router); the affinity policies name their router and its kwargs.

@@ -39,12 +39,18 @@ class DeploymentOptions(_Strict):
 
     num_replicas: int = Field(1, ge=0, description="Fixed replica count (ignored when autoscaling_config is set).")
     autoscaling_config: dict[str, Any] | None = Field(
-        None, description="Ray Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...)."
+        None, description="Ray Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...). "
+        "Defaults (app/autoscaling.py): min_replicas 1 (0 allowed: cold start), max_replicas = min_replicas, "
+        "target_ongoing_requests = ceil(0.75 × max_num_seqs) capped at max_ongoing_requests."
     )
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Requests one replica takes at once. Default: the engine's max_num_seqs (Serve's 5 would throttle it)."
     )
     max_queued_requests: int = Field(-1, ge=-1, description="Requests queued per caller before Serve rejects them; -1 = no bound.")
+    overload_status_code: Literal[429, 503] = Field(
+        503, description="HTTP status of a request rejected because max_queued_requests is full (OpenAI clients retry both)."
+    )
+    retry_after_s: float = Field(1.0, ge=0, description="`Retry-After` seconds sent with an overload rejection.")
     num_cpus: float | None = Field(None, ge=0, description="CPUs of the replica actor. Default: 1 on GPU, 0.5 on CPU.")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve asks the engine whether it is alive.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long a health check may take before the replica is replaced.")
@@ -158,9 +164,28 @@ class ModelConfig(_Strict):
             kwargs.setdefault("distributed_executor_backend", "ray")
         return kwargs
 
+    @model_validator(mode="after")
+    def _autoscaling_consistent(self) -> ModelConfig:
+        self.serve_autoscaling_config()  # raises naming the key
+        return self
+
     @property
     def max_num_seqs(self) -> int:
         return int(self.engine_kwargs.get("max_num_seqs") or 256)
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Requests one replica takes at once: the deployment's setting, else the engine's batch size."""
+        return self.deployment.max_ongoing_requests or self.max_num_seqs
+
+    def serve_autoscaling_config(self) -> dict[str, Any] | None:
+        """The deployment's autoscaling_config with Summit's defaults filled in, or None for a fixed replica count."""
+        from app.autoscaling import autoscaling_config
+
+        given = self.deployment.autoscaling_config
+        if given is None:
+            return None
+        return autoscaling_config(given, self.max_num_seqs, self.max_ongoing_requests)
 
 
 def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
