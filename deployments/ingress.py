@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator
 
@@ -49,18 +50,20 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 class ModelUnavailable(Exception):
     """The chosen model's replicas cannot take the request now (overloaded, dead or restarting)."""
 
-    def __init__(self, message: str, status: int = 503):
+    def __init__(self, message: str, status: int = 503, retry_after_s: float | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after = RETRY_AFTER_S if retry_after_s is None else str(math.ceil(retry_after_s))
 
 
 @contextlib.contextmanager
 def _replica_failures():
-    """Serve and replica failures while talking to a model become ModelUnavailable (503 + Retry-After)."""
+    """Serve and replica failures while talking to a model become ModelUnavailable (503, or 429 on overload, + Retry-After)."""
     try:
         yield
-    except BackPressureError:
-        raise ModelUnavailable("The model is overloaded: too many queued requests. Retry later.") from None
+    except BackPressureError as e:  # status and Retry-After from the model deployment's backpressure_config
+        raise ModelUnavailable("The model is overloaded: too many queued requests. Retry later.",
+                               e.status_code, e.retry_after_s) from None
     except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
         logger.warning("model replica unavailable: %s", type(e).__name__)
         raise ModelUnavailable("The model replica serving this request is unavailable; retry.") from None
@@ -173,7 +176,7 @@ class OpenAIIngress:
                 return StreamingResponse(_sse(stream), status_code=start.status, headers=reply_headers)
             payload = await _rest(stream)
         except ModelUnavailable as e:
-            return error_response(e.status, str(e), headers={"retry-after": RETRY_AFTER_S})
+            return error_response(e.status, str(e), headers={"retry-after": e.retry_after})
         if start.status >= 400:
             payload = openai_error_bytes(start.status, payload)
         return Response(payload, status_code=start.status, headers=reply_headers)
