@@ -56,6 +56,10 @@ class LLMServer:
             "num_unfinished_requests": vllm_adapter.num_unfinished_requests(self._engine_app.engine),
         }
 
+    def prefix_cache_stats(self) -> dict:
+        """vLLM's own prefix-cache counters for this replica's engine: prompt tokens queried and found cached."""
+        return {"replica_id": self._replica_id, **vllm_adapter.prefix_cache_counters()}
+
     def __del__(self):
         # Without this each replica leaks its engine's shared-memory segments and sockets.
         engine_app = getattr(self, "_engine_app", None)

@@ -128,5 +128,22 @@ def num_unfinished_requests(engine) -> int:
     return engine.output_processor.get_num_unfinished_requests()
 
 
+# vLLM's Prometheus counters (v1 PrometheusStatLogger, installed by AsyncLLM unless `disable_log_stats`): prompt
+# tokens looked up in the prefix cache, and those found there. Registered in the process that holds the AsyncLLM.
+_PREFIX_CACHE_COUNTERS = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
+
+
+def prefix_cache_counters() -> dict[str, int]:
+    """{"queries", "hits"}: prompt tokens this process's engine looked up in / found in its prefix cache since it
+    started (vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`), summed over engines and labels."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    totals = dict.fromkeys(_PREFIX_CACHE_COUNTERS.values(), 0)
+    for metric in get_metrics_snapshot():
+        if isinstance(metric, Counter) and metric.name in _PREFIX_CACHE_COUNTERS:
+            totals[_PREFIX_CACHE_COUNTERS[metric.name]] += metric.value
+    return totals
+
+
 def shutdown_engine(engine) -> None:
     engine.shutdown()
