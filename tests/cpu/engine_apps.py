@@ -1,0 +1,60 @@
+"""Helpers for CPU test modules that deploy their own Summit app (several tiny-model deployments) on a private cluster."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+from app.local_cluster import LocalCluster, load_serve_config
+
+REPO = Path(__file__).resolve().parents[2]
+APP = "summit"
+
+
+def tiny_model(name: str, engine_kwargs: dict | None = None, deployment: dict | None = None, **fields) -> dict:
+    """The shipped tiny-model entry (serve_configs/tiny-cpu.yaml) renamed, with small engine settings merged in."""
+    base = copy.deepcopy(load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")["applications"][0]["args"]["models"][0])
+    base["name"] = name
+    base["engine_kwargs"].update({"max_num_seqs": 8, "kv_cache_memory_bytes": 64 << 20, **(engine_kwargs or {})})
+    base["deployment"].update(health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=5,
+                              **(deployment or {}))
+    base.update(fields)
+    return base
+
+
+@contextmanager
+def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env: dict[str, str] | None = None):
+    """A private loopback cluster with one app serving `models` (shipped YAML otherwise); stopped by PID after."""
+    cluster = LocalCluster(num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})})
+    config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
+    config["applications"][0]["args"]["models"] = models
+    try:
+        cluster.start()
+        cluster.serve_deploy(config)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def deployment_details(cluster: LocalCluster, deployment: str) -> dict:
+    """Serve's view of one deployment (status, config, replicas with their states), from the dashboard's REST API."""
+    with urllib.request.urlopen(cluster.dashboard_url + "/api/serve/applications/", timeout=30) as r:
+        details = json.load(r)
+    return details["applications"][APP]["deployments"][deployment]
+
+
+def running_replicas(cluster: LocalCluster, deployment: str) -> list[str]:
+    return sorted(r["replica_id"] for r in deployment_details(cluster, deployment)["replicas"] if r["state"] == "RUNNING")
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return False
