@@ -1,0 +1,175 @@
+"""Routing policies on real engines: two models in one app, each with 2 replicas of the tiny model (4 engines).
+
+- `tiny-prefix` (prefix_affinity): distinct prefixes spread, a prefix's repeats stay on one replica, and that
+  replica's vLLM prefix cache really hits (read from vLLM's own counters); a hot prefix spills to the other replica.
+- `tiny-session` (session_affinity): a session sticks; a killed replica's sessions move, the others stay.
+- Both: /v1/models lists the two models; an unknown model is a 404 naming them.
+
+The replica that answered is the `x-summit-replica` header. Engine counters are read through Serve handles by
+`app.replica_probe` in a subprocess (this process may already be the Ray driver of the suite's session cluster).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from app.replica_probe import probe
+from app.tiny_model import _WORDS
+from tests.cpu.engine_apps import APP, deployed, running_replicas, tiny_model, wait_for
+
+PREFIX, SESSION = "tiny-prefix", "tiny-session"
+KV_BLOCK = 128  # vLLM's CPU KV block (tokens); the prefix cache reuses whole blocks only
+HOT_IMBALANCE = 2
+
+
+@pytest.fixture(scope="module")
+def summit2(tiny_model_dir):
+    models = [
+        tiny_model(PREFIX, {"enable_prefix_caching": True}, {"num_replicas": 2},
+                   routing={"policy": "prefix_affinity", "imbalance": HOT_IMBALANCE}),
+        tiny_model(SESSION, {"enable_prefix_caching": True}, {"num_replicas": 2}, routing={"policy": "session_affinity"}),
+    ]
+    with deployed(models, tiny_model_dir) as cluster:
+        assert wait_for(lambda: len(running_replicas(cluster, f"LLMServer:{PREFIX}")) == 2
+                        and len(running_replicas(cluster, f"LLMServer:{SESSION}")) == 2, 300)
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def http(summit2):
+    with httpx.Client(base_url=summit2.base_url, timeout=120) as client:
+        yield client
+
+
+def document(i: int, words: int = 220) -> str:
+    """A distinct ~340-token prefix (≥ 2 CPU KV blocks), distinct from its first characters on."""
+    rng = random.Random(i)
+    return f"Document {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\n"
+
+
+def complete(http: httpx.Client, model: str, prompt: str, max_tokens: int = 4, headers: dict | None = None) -> httpx.Response:
+    return http.post("/v1/completions", headers=headers,
+                     json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+
+
+def replica_of(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.headers["x-summit-replica"]
+
+
+def cache_counters(cluster) -> dict[str, dict]:
+    return probe(cluster.address, "each", APP, f"LLMServer:{PREFIX}", "prefix_cache_stats", "--replicas", "2")
+
+
+def test_two_models_listed_served_and_unknown_named(http):
+    listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert {PREFIX, SESSION} <= set(listed)
+    assert all(listed[name].get("max_model_len") == 2048 for name in (PREFIX, SESSION))
+    for name in (PREFIX, SESSION):
+        r = complete(http, name, "Hello there")
+        assert r.status_code == 200 and r.json()["model"] == name
+    r = complete(http, "tiny-nope", "Hello")
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error["type"] == "NotFoundError" and error["param"] == "model"
+    assert PREFIX in error["message"] and SESSION in error["message"]
+
+
+def test_prefixes_spread_repeats_stick_and_hit_vllms_cache(summit2, http):
+    docs = [document(i) for i in range(6)]
+    prefix_tokens = [len(http.post("/tokenize", json={"model": PREFIX, "prompt": d}).json()["tokens"]) for d in docs]
+    assert min(prefix_tokens) >= 2 * KV_BLOCK + 1, prefix_tokens
+    before = cache_counters(summit2)
+
+    owners = []
+    for doc in docs:  # one at a time: every load is 0, so only affinity decides
+        owners.append({replica_of(complete(http, PREFIX, doc + f"Question {q}: what is it about?")) for q in range(3)})
+    assert all(len(o) == 1 for o in owners), f"a prefix's repeats moved: {owners}"
+    homes = [o.pop() for o in owners]
+    assert set(homes) == set(before), f"prefixes did not spread over both replicas: {homes}"
+
+    after = cache_counters(summit2)
+    for replica in before:
+        hits = after[replica]["hits"] - before[replica]["hits"]
+        queries = after[replica]["queries"] - before[replica]["queries"]
+        # every repeat (2 per prefix) reuses the prefix's whole blocks; the prefix's last token may merge with the question
+        expected = sum(2 * KV_BLOCK * ((n - 1) // KV_BLOCK) for n, home in zip(prefix_tokens, homes) if home == replica)
+        assert hits >= expected > 0, f"{replica}: {hits} cached tokens of {queries} queried, expected >= {expected}"
+        assert hits < queries  # each prefix's first request missed
+
+
+def test_a_hot_prefix_spills_to_the_other_replica(http):
+    hot = document(100)
+    home = replica_of(complete(http, PREFIX, hot + "Warm-up question."))
+    replicas: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            replicas[i] = replica_of(r)
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2 * HOT_IMBALANCE + 2)]
+    for t in threads:  # staggered, so that the router sees each stream's load before the next request
+        t.start()
+        time.sleep(0.5)
+    for t in threads:
+        t.join(180)
+    assert len(replicas) == len(threads)
+    assert replicas[0] == home, "an unloaded prefix's first request should go to its replica"
+    assert len(set(replicas.values())) == 2, f"all concurrent requests of a hot prefix stayed on {home}: {replicas}"
+
+
+def session_home(http: httpx.Client, session: str, question: str = "Where are we?") -> str:
+    r = http.post("/v1/chat/completions", headers={"x-session-id": session},
+                  json={"model": SESSION, "messages": [{"role": "user", "content": question}], "max_tokens": 4})
+    return replica_of(r)
+
+
+def test_a_session_sticks_and_sessions_spread(http):
+    homes = {}
+    for session in ("alice", "bob", "carol", "dave"):
+        replicas = {session_home(http, session, f"Turn {turn}") for turn in range(3)}
+        assert len(replicas) == 1, f"session {session} moved: {replicas}"
+        homes[session] = replicas.pop()
+    assert len(set(homes.values())) == 2, f"sessions did not spread: {homes}"
+
+
+def test_a_killed_replicas_sessions_move_the_others_stay(summit2, http):
+    sessions = [f"moving-{i}" for i in range(4)]
+    homes = {s: session_home(http, s) for s in sessions}
+    assert len(set(homes.values())) == 2
+    victim = homes[sessions[0]]
+    stats = probe(summit2.address, "each", APP, f"LLMServer:{SESSION}", "stats", "--replicas", "2")
+    engine_procs = psutil.Process(stats[victim]["pid"]).children(recursive=True)
+
+    probe(summit2.address, "kill", APP, f"LLMServer:{SESSION}", victim)
+    moved: dict[str, str] = {}
+
+    def all_answered() -> bool:  # the first requests after the kill may get 503 until Serve drops the replica
+        for s in sessions:
+            if s not in moved:
+                r = http.post("/v1/chat/completions", headers={"x-session-id": s},
+                              json={"model": SESSION, "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 4})
+                if r.status_code == 200:
+                    moved[s] = r.headers["x-summit-replica"]
+                else:
+                    assert r.status_code == 503 and r.headers["retry-after"], r.text
+        return len(moved) == len(sessions)
+
+    assert wait_for(all_answered, 120, interval_s=1), f"sessions unanswered after the kill: {set(sessions) - set(moved)}"
+    assert victim not in moved.values()
+    assert {s: moved[s] for s in sessions if homes[s] != victim} == {s: h for s, h in homes.items() if h != victim}
+    assert {s: session_home(http, s) for s in sessions} == moved, "moved sessions should stay on their new replica"
+    # the killed replica's engine must not outlive it (it would hold its memory until the cluster stops)
+    _, alive = psutil.wait_procs(engine_procs, timeout=30)
+    for proc in alive:
+        proc.kill()
+    assert not alive, f"engine processes outlived their killed replica: {[p.pid for p in alive]}"
