@@ -91,7 +91,7 @@ class ModelConfig(_Strict):
         default_factory=dict, description="vLLM OpenAI-server options that are not engine args (chat_template, tool_call_parser, ...)."
     )
     stream_coalesce_ms: float = Field(
-        0.0, ge=0, le=1000, description="Merge a stream's chunks that arrive within this window into one message (first token never waits)."
+        20.0, ge=0, le=1000, description="Merge a stream's chunks that arrive within this window into one message (first token never waits)."
     )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options.")
     routing: RoutingOptions = Field(default_factory=RoutingOptions, description="Replica choice: least_load (default), prefix_affinity or session_affinity.")

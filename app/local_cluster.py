@@ -114,7 +114,19 @@ class LocalCluster:
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         subprocess.run(["serve", "deploy", str(path), "-a", self.dashboard_url], env=loopback_env(self.env),
                        check=True, capture_output=True)
-        self._wait(lambda: _http_ok(self.base_url + ready_path), timeout_s, "Serve application")
+        # A redeploy keeps answering from the old replicas: wait for Serve to report every app RUNNING too.
+        self._wait(lambda: self._apps_running() and _http_ok(self.base_url + ready_path), timeout_s, "Serve application")
+
+    def _apps_running(self) -> bool:
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.dashboard_url + "/api/serve/applications/", timeout=5) as r:
+                apps = json.load(r).get("applications", {})
+        except Exception:
+            return False
+        return bool(apps) and all(a.get("status") == "RUNNING" for a in apps.values())
 
     def serve_shutdown(self) -> None:
         subprocess.run(["serve", "shutdown", "-a", self.dashboard_url, "-y"], env=loopback_env(self.env),

@@ -94,9 +94,12 @@ def hbm_bound_tok_s(model_dir: str, bandwidth_gbs: float) -> float:
 
 
 def run_loads(base_url: str, ns: argparse.Namespace) -> list[LoadResult]:
-    prompts = make_prompts(ns.requests, ns.prompt_words)
     asyncio.run(run_load(base_url, MODEL, make_prompts(4, ns.prompt_words, seed=1), 4, 8))  # warm-up
-    return [asyncio.run(run_load(base_url, MODEL, prompts, c, ns.max_tokens)) for c in ns.concurrency]
+    results = []
+    for c in ns.concurrency:
+        n = ns.requests if ns.requests_per_stream is None else max(8, c * ns.requests_per_stream)
+        results.append(asyncio.run(run_load(base_url, MODEL, make_prompts(n, ns.prompt_words), c, ns.max_tokens)))
+    return results
 
 
 def bench_vllm(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[LoadResult]]:
@@ -141,6 +144,8 @@ def main() -> None:
     p.add_argument("--load-format", default=None, help="e.g. dummy (random weights for a config-only dir)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests-per-stream", type=int, default=None,
+                   help="requests = max(8, concurrency x this) at each level (instead of --requests)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--concurrency", type=int, nargs="+", default=[16])

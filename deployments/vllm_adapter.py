@@ -103,7 +103,14 @@ async def start_engine_app(args: Namespace) -> EngineApp:
 
     _, build_app, init_app_state = _openai_entrypoints()
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    engine = AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    _use_replica_placement_group(vllm_config)
+    engine = AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
     try:
         supported_tasks = await engine.get_supported_tasks()
         app = build_app(args, supported_tasks, engine.model_config)
@@ -112,6 +119,22 @@ async def start_engine_app(args: Namespace) -> EngineApp:
         engine.shutdown()
         raise
     return EngineApp(engine=engine, app=app)
+
+
+def _use_replica_placement_group(vllm_config) -> None:
+    """Hand the replica's placement group to vLLM's Ray executor.
+
+    The engine core runs in a subprocess of the replica, where Ray reports no current placement group, so
+    vLLM would otherwise ask for a second group of tp x pp GPUs, which the replica's group already holds
+    (seen on the GPU host: "Engine core initialization failed").
+    """
+    if vllm_config.parallel_config.distributed_executor_backend != "ray":
+        return
+    import ray
+
+    group = ray.util.get_current_placement_group() if ray.is_initialized() else None
+    if group is not None:
+        vllm_config.parallel_config.placement_group = group
 
 
 async def check_engine_health(engine) -> None:
