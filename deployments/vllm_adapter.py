@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import typing
 from argparse import Namespace
 from dataclasses import dataclass
 from typing import Any

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import openai
 import pytest
 
 from app.local_cluster import LocalCluster, load_serve_config
@@ -51,13 +49,3 @@ def llm_handle(ray_driver):
     from ray import serve
 
     return serve.get_deployment_handle(f"LLMServer:{MODEL}", app_name="summit")
-
-
-@pytest.fixture
-def client(summit) -> openai.OpenAI:
-    return openai.OpenAI(base_url=summit.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def aclient(summit) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=summit.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)

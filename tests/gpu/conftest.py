@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from app.local_cluster import LocalCluster
@@ -67,13 +66,3 @@ def summit(gpu_cluster, model_dirs):
         models.append(llama8b_model(model_dirs))
     gpu_cluster.serve_deploy(app_config(models), timeout_s=900)
     return gpu_cluster
-
-
-@pytest.fixture
-def client(summit) -> openai.OpenAI:
-    return openai.OpenAI(base_url=summit.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def aclient(summit) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=summit.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
