@@ -68,7 +68,7 @@ class LocalCluster:
     def base_url(self) -> str:
         return f"http://{self.node_ip}:{self.http_port}"
 
-    def start(self, timeout_s: float = 120) -> LocalCluster:
+    def start(self, timeout_s: float = 300) -> LocalCluster:
         log = open(self.temp_dir / "ray-start.log", "wb")
         ports = {
             "--port": self.gcs_port, "--dashboard-port": self.dashboard_port,
@@ -112,8 +112,14 @@ class LocalCluster:
         config["http_options"] = {**config.get("http_options", {}), "host": self.node_ip, "port": self.http_port}
         path = self.temp_dir / "serve-config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        subprocess.run(["serve", "deploy", str(path), "-a", self.dashboard_url], env=loopback_env(self.env),
-                       check=True, capture_output=True)
+        for attempt in range(6):  # the dashboard answers /api/version before its Serve endpoint is ready
+            deploy = subprocess.run(["serve", "deploy", str(path), "-a", self.dashboard_url],
+                                    env=loopback_env(self.env), capture_output=True, text=True)
+            if deploy.returncode == 0:
+                break
+            time.sleep(5)
+        else:
+            raise RuntimeError(f"serve deploy failed: {deploy.stderr[-2000:] or deploy.stdout[-2000:]}")
         # A redeploy keeps answering from the old replicas: wait for Serve to report every app RUNNING too.
         self._wait(lambda: self._apps_running() and _http_ok(self.base_url + ready_path), timeout_s, "Serve application")
 
