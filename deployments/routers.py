@@ -35,6 +35,8 @@ class _AffinityRouter(RequestRouter):
     # Whether only the chosen replica may take a keyed request. When False, the other replicas form a
     # second rank that Serve tries (least loaded first) if the chosen one is full.
     strict = False
+    # Queue-length probes per routing decision before a silent replica counts as full.
+    probe_attempts = 3
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -74,7 +76,9 @@ class _AffinityRouter(RequestRouter):
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Ongoing requests per replica from Serve's queue-length cache; stale entries are probed the way
-        Serve's own routers do. A replica that does not answer counts as full."""
+        Serve's own routers do, with the deadline doubling on each retry (0.1 s first: a replica on busy
+        cores misses it, and counting it full would pile every request on the others). A replica that
+        never answers counts as full."""
         loads: dict[str, int] = {}
         stale = []
         for r in replicas:
@@ -83,9 +87,17 @@ class _AffinityRouter(RequestRouter):
                 stale.append(r)
             else:
                 loads[r.replica_id.unique_id] = queue_len
-        if stale:
-            for r, queue_len in await self._probe_queue_lens(stale, 0):
-                loads[r.replica_id.unique_id] = r.max_ongoing_requests if queue_len is None else queue_len
+        for backoff_index in range(self.probe_attempts):
+            if not stale:
+                break
+            answers, stale = await self._probe_queue_lens(stale, backoff_index), []
+            for r, queue_len in answers:
+                if queue_len is None:
+                    stale.append(r)
+                else:
+                    loads[r.replica_id.unique_id] = queue_len
+        for r in stale:
+            loads[r.replica_id.unique_id] = r.max_ongoing_requests
         return loads
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

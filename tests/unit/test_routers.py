@@ -25,12 +25,14 @@ DEPLOYMENT = DeploymentID(name="LLMServer:fake", app_name="summit")
 class FakeReplica:
     """What a router reads from Serve's RunningReplica, with a settable queue length."""
 
-    def __init__(self, unique_id: str, queue_len: int = 0):
+    def __init__(self, unique_id: str, queue_len: int = 0, answer_after_s: float = 0.0):
         self.replica_id = ReplicaID(unique_id, DEPLOYMENT)
         self.queue_len = queue_len
+        self.answer_after_s = answer_after_s
         self.max_ongoing_requests = 100
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
+        await asyncio.sleep(self.answer_after_s)
         return self.queue_len
 
 
@@ -143,3 +145,15 @@ def test_request_router_options_reject_unknown_names():
         request_router_options("nearest")
     with pytest.raises(ValueError, match="prefix_tokens"):
         request_router_options("prefix_affinity", prefix_tokens=4)
+
+
+def test_a_replica_slow_to_answer_the_probe_counts_by_its_load_not_as_full():
+    async def scenario():
+        busy, slow = FakeReplica("busy", 5), FakeReplica("slow", 0, answer_after_s=0.15)  # misses the first 0.1 s deadline
+        router = make_router(PrefixAffinityRouter, [busy, slow], prefix_chars=8, imbalance=2)
+        assert await router._loads([busy, slow]) == {"busy": 5, "slow": 0}
+        slow.answer_after_s = 10  # never answers within the retries: counted full
+        router._replica_queue_len_cache.invalidate_key(slow.replica_id)
+        assert (await router._loads([slow]))["slow"] == slow.max_ongoing_requests
+
+    asyncio.run(scenario())
