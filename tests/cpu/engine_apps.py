@@ -31,6 +31,8 @@ def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env:
     """A private loopback cluster with one app serving `models` (shipped YAML otherwise); stopped by PID after."""
     cluster = LocalCluster(num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})})
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
+    # vLLM's CPU platform lets this legacy variable (1 GiB in the shipped YAML) override kv_cache_memory_bytes.
+    config["applications"][0]["runtime_env"]["env_vars"].pop("VLLM_CPU_KVCACHE_SPACE", None)
     config["applications"][0]["args"]["models"] = models
     try:
         cluster.start()

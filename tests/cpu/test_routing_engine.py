@@ -119,7 +119,7 @@ def test_a_hot_prefix_spills_to_the_other_replica(http):
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2 * HOT_IMBALANCE + 2)]
     for t in threads:  # staggered, so that the router sees each stream's load before the next request
         t.start()
-        time.sleep(0.5)
+        time.sleep(1.0)
     for t in threads:
         t.join(180)
     assert len(replicas) == len(threads)
