@@ -34,9 +34,12 @@ def summit(tiny_model_dir):
         cluster.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_driver(summit):
-    """A Ray driver connected to the test cluster, for reading engine state through Serve handles."""
+    """A Ray driver connected to the test cluster, for reading engine state through Serve handles.
+
+    Module-scoped: other modules (tests/cpu/test_routing_fake.py) start Ray clusters of their own in this process.
+    """
     import ray
 
     ray.init(address=summit.address, logging_level="ERROR", log_to_driver=False)
@@ -44,7 +47,7 @@ def ray_driver(summit):
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def llm_handle(ray_driver):
     from ray import serve
 
