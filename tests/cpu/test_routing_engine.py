@@ -108,21 +108,28 @@ def test_a_hot_prefix_spills_to_the_other_replica(http):
     hot = document(100)
     home = replica_of(complete(http, PREFIX, hot + "Warm-up question."))
     replicas: dict[int, str] = {}
+    started: dict[int, float] = {}
+    ended: dict[int, float] = {}
 
     def stream(i: int) -> None:
-        body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        started[i] = time.monotonic()
+        # ~1,600 tokens: a stream must outlive the staggered start of the others (one alone runs ~200 tok/s)
+        body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 1600, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as r:
             replicas[i] = replica_of(r)
             for _ in r.iter_lines():
                 pass
+        ended[i] = time.monotonic()
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2 * HOT_IMBALANCE + 2)]
     for t in threads:  # staggered, so that the router sees each stream's load before the next request
         t.start()
-        time.sleep(1.0)
+        time.sleep(0.5)
     for t in threads:
         t.join(180)
     assert len(replicas) == len(threads)
+    spill = HOT_IMBALANCE + 1  # the request that finds its replica more than `imbalance` above the other
+    assert ended[0] > started[spill], "the first streams ended before the load built up: the test proves nothing"
     assert replicas[0] == home, "an unloaded prefix's first request should go to its replica"
     assert len(set(replicas.values())) == 2, f"all concurrent requests of a hot prefix stayed on {home}: {replicas}"
 
