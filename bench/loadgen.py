@@ -35,13 +35,14 @@ class LoadResult:
                 "ttft_p99_ms": round(self.ttft_pct(99) * 1000, 1), "wall_s": round(self.wall_s, 2)}
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, int]:
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, int, str | None]:
+    """One streamed completion: (TTFT, completion tokens or -1 on an error status, replica that answered)."""
     start = time.perf_counter()
     ttft, tokens = None, 0
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return None, -1
+            return None, -1, None
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -50,7 +51,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float |
                 tokens = chunk["usage"]["completion_tokens"]
             if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
                 ttft = time.perf_counter() - start
-    return ttft, tokens
+        return ttft, tokens, r.headers.get("x-summit-replica")
 
 
 async def run_load(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> LoadResult:
@@ -70,7 +71,7 @@ async def run_load(base_url: str, model: str, prompts: list[str], concurrency: i
                 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                         "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
                 try:
-                    ttft, tokens = await _one(client, url, body)
+                    ttft, tokens, _ = await stream_completion(client, url, body)
                 except httpx.HTTPError:
                     ttft, tokens = None, -1
                 if tokens < 0:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.local_cluster import LocalCluster, load_serve_config  # noqa: E402
 from app.replica_probe import probe  # noqa: E402
-from bench.loadgen import LoadResult  # noqa: E402
+from bench.loadgen import LoadResult, stream_completion  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 APP = "summit"
@@ -80,23 +80,6 @@ def app_config(ns: argparse.Namespace, model_dir: str) -> dict:
     return config
 
 
-async def _one(client: httpx.AsyncClient, body: dict) -> tuple[float | None, int, str | None]:
-    start = time.perf_counter()
-    ttft, tokens = None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return None, -1, None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
-                ttft = time.perf_counter() - start
-        return ttft, tokens, r.headers.get("x-summit-replica")
-
 
 async def run_policy(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[LoadResult, Counter]:
     queue: asyncio.Queue = asyncio.Queue()
@@ -111,7 +94,7 @@ async def run_policy(base_url: str, model: str, prompts: list[str], concurrency:
                 body = {"model": model, "prompt": queue.get_nowait(), "max_tokens": max_tokens, "stream": True,
                         "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
                 try:
-                    ttft, tokens, replica = await _one(client, body)
+                    ttft, tokens, replica = await stream_completion(client, "/v1/completions", body)
                 except httpx.HTTPError:
                     ttft, tokens, replica = None, -1, None
                 if tokens < 0:
