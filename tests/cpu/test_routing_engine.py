@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import httpx
 import psutil
@@ -107,30 +106,41 @@ def test_prefixes_spread_repeats_stick_and_hit_vllms_cache(summit2, http):
 def test_a_hot_prefix_spills_to_the_other_replica(http):
     hot = document(100)
     home = replica_of(complete(http, PREFIX, hot + "Warm-up question."))
+    n = 2 * HOT_IMBALANCE + 2
     replicas: dict[int, str] = {}
-    started: dict[int, float] = {}
-    ended: dict[int, float] = {}
+    running = [threading.Event() for _ in range(n)]
+    finished_early: list[int] = []
+    stop = threading.Event()
 
     def stream(i: int) -> None:
-        started[i] = time.monotonic()
-        # ~1,600 tokens: a stream must outlive the staggered start of the others (one alone runs ~200 tok/s)
+        # Long enough to outlive the others' start; the test closes it (an abort) once every stream was routed.
         body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 1600, "ignore_eos": True, "stream": True}
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            replicas[i] = replica_of(r)
-            for _ in r.iter_lines():
-                pass
-        ended[i] = time.monotonic()
+        try:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                replicas[i] = replica_of(r)
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        running[i].set()  # the engine is generating it: its replica counts it as ongoing
+                    if stop.is_set():
+                        return
+                if not stop.is_set():
+                    finished_early.append(i)
+        finally:
+            running[i].set()
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2 * HOT_IMBALANCE + 2)]
-    for t in threads:  # staggered, so that the router sees each stream's load before the next request
-        t.start()
-        time.sleep(0.5)
-    for t in threads:
-        t.join(180)
-    assert len(replicas) == len(threads)
-    spill = HOT_IMBALANCE + 1  # the request that finds its replica more than `imbalance` above the other
-    assert ended[0] > started[spill], "the first streams ended before the load built up: the test proves nothing"
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(n)]
+    try:
+        for i, t in enumerate(threads):  # one at a time: each request is routed seeing the load of those before it
+            t.start()
+            assert running[i].wait(120), f"stream {i} produced nothing in 120 s"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert len(replicas) == n, f"streams without an answer: {set(range(n)) - set(replicas)}"
+    assert not finished_early, f"streams {finished_early} ended before every stream was routed: the test proves nothing"
     assert replicas[0] == home, "an unloaded prefix's first request should go to its replica"
+    # Request HOT_IMBALANCE + 1 finds its replica more than `imbalance` above the other and must spill.
     assert len(set(replicas.values())) == 2, f"all concurrent requests of a hot prefix stayed on {home}: {replicas}"
 
 

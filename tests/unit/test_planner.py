@@ -11,7 +11,7 @@ import pytest
 
 from app import planner
 from app.cli import main
-from app.planner import GB, GiB, kv_bytes, load_shape, parse_tokens, plan, workshop_weight_table
+from app.planner import GiB, kv_bytes, load_shape, parse_tokens, plan, workshop_weight_table
 
 QWEN2_7B = {  # shapes of Qwen2-7B's published config.json: GQA 28/4 heads, q/k/v biases, 152k vocabulary
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
