@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
 from app.config import ModelConfig, SummitConfig
-from app.placement import DEFAULT_GPUS_PER_NODE, placement_deployment_options, plan_placement
+from app.placement import DEFAULT_GPUS_PER_NODE, placement_deployment_options, plan_placement, unplaceable
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.routers import request_router_options
+
+logger = logging.getLogger("ray.serve")
 
 
 def replica_resources(model: ModelConfig) -> dict[str, Any]:
@@ -54,11 +58,45 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
     return options
 
 
+def replica_bundles(options: dict[str, Any]) -> tuple[list[dict[str, float]], str]:
+    """What one replica of a deployment asks Ray for: its placement group, or its actor as one bundle."""
+    if "placement_group_bundles" in options:
+        return options["placement_group_bundles"], options["placement_group_strategy"]
+    actor = options["ray_actor_options"]
+    return [{"CPU": actor.get("num_cpus", 1.0), "GPU": actor.get("num_gpus", 0.0)}], "STRICT_PACK"
+
+
+def wait_until_placeable(options: dict[str, dict[str, Any]], wait_s: float, poll_s: float = 5.0) -> None:
+    """Wait (up to `wait_s`) until the cluster's alive nodes could hold one replica of each model, else raise naming
+    the model and the missing resource. Serve itself would leave such a replica pending without end."""
+    import ray
+
+    if not ray.is_initialized() or wait_s < 0:
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        problems = [f"model {name!r}: one replica {why}" for name, opts in options.items()
+                    if (why := unplaceable(*replica_bundles(opts), nodes))]
+        if not problems:
+            return
+        if time.monotonic() >= deadline:
+            raise ValueError(
+                f"the Ray cluster cannot place {'; '.join(problems)} (waited {wait_s:g} s for nodes). Fix: add nodes with "
+                "those resources, or lower the model's tensor_parallel_size / pipeline_parallel_size / deployment.num_cpus; "
+                "set `placement_wait_s: -1` where an autoscaler adds nodes on demand.")
+        logger.warning("Waiting for Ray nodes: %s", "; ".join(problems))
+        time.sleep(poll_s)
+
+
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate the YAML args once, then bind one engine deployment per model behind one ingress."""
+    """Validate the YAML args once, check the cluster can hold the models, then bind one engine deployment per model
+    behind one ingress."""
     config = SummitConfig.model_validate(args)
+    options = {m.name: llm_deployment_options(m) for m in config.models}
+    wait_until_placeable(options, config.placement_wait_s)
     servers = {
-        m.name: serve.deployment(LLMServer).options(**llm_deployment_options(m)).bind(m, m.resolved_source())
+        m.name: serve.deployment(LLMServer).options(**options[m.name]).bind(m, m.resolved_source())
         for m in config.models
     }
     ingress = serve.deployment(OpenAIIngress).options(

@@ -41,6 +41,10 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+class DeployFailed(RuntimeError):
+    """Serve reported DEPLOY_FAILED for an application; the message is Serve's (with the replica's error)."""
+
+
 @dataclass
 class LocalCluster:
     """`ray start --head --block` on loopback with its own temp dir and ports."""
@@ -82,7 +86,7 @@ class LocalCluster:
             cmd += [flag, str(port)]
         if self.num_gpus is not None:
             cmd += ["--num-gpus", str(self.num_gpus)]
-        self.proc = subprocess.Popen(cmd, env=loopback_env(self.env), stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self._wait(lambda: _http_ok(self.dashboard_url + "/api/version"), timeout_s, "Ray dashboard")
         return self
@@ -90,21 +94,42 @@ class LocalCluster:
     def add_worker(self, node_ip: str, num_cpus: float, num_gpus: int = 0, env: dict[str, str] | None = None,
                    prefix: list[str] | None = None, timeout_s: float = 120) -> None:
         """Join a worker node (e.g. inside a network namespace: `prefix=["ip", "netns", "exec", NS]`)."""
-        import ray
-
         log = open(self.temp_dir / f"ray-worker-{len(self.workers)}.log", "wb")
         cmd = [*(prefix or []), "ray", "start", "--block", "--address", self.address, "--node-ip-address", node_ip,
                "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--disable-usage-stats"]
-        self.workers.append(subprocess.Popen(cmd, env=loopback_env({**self.env, **(env or {})}), stdout=log,
-                                             stderr=subprocess.STDOUT, start_new_session=True))
-        want = len(self.workers) + 1
+        worker = subprocess.Popen(cmd, env=self._env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.workers.append(worker)
 
         def joined() -> bool:
-            alive = [n for n in ray.nodes() if n["Alive"]]
-            return len(alive) >= want
+            if worker.poll() is not None:
+                raise RuntimeError(f"worker `ray start` exited with {worker.returncode}; see {log.name}")
+            return any(n["node_ip"] == node_ip for n in self.alive_nodes())
 
-        ray.init(address=self.address, logging_level="ERROR", log_to_driver=False, ignore_reinit_error=True)
         self._wait(joined, timeout_s, "Ray worker node")
+
+    def alive_nodes(self) -> list[dict]:
+        """The state API's nodes that are alive (node_id, node_ip, resources_total, ...), read over REST."""
+        try:
+            nodes = self.dashboard_get("/api/v0/nodes?limit=1000&detail=1")["data"]["result"]["result"]
+        except Exception:
+            return []
+        return [n for n in nodes if n["state"] == "ALIVE"]
+
+    def alive_actors(self) -> list[dict]:
+        """The state API's alive actors with details (class_name, node_id, placement_group_id, ...)."""
+        actors = self.dashboard_get("/api/v0/actors?limit=10000&detail=1")["data"]["result"]["result"]
+        return [a for a in actors if a["state"] == "ALIVE"]
+
+    def placement_groups(self) -> list[dict]:
+        """The state API's placement groups with their bundles (unit_resources, node_id)."""
+        return self.dashboard_get("/api/v0/placement_groups?limit=10000&detail=1")["data"]["result"]["result"]
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = loopback_env({**self.env, **(extra or {})})
+        if self.node_ip != LOOPBACK:
+            # Ray refuses to add nodes when this is 0 (which keeps a one-node cluster on 127.0.0.1).
+            env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+        return env
 
     def serve_deploy(self, config: dict, timeout_s: float = 600, ready_path: str = "/v1/models") -> None:
         """`serve deploy` a Serve config dict (its http_options are pointed at this cluster's port)."""
@@ -112,30 +137,46 @@ class LocalCluster:
         config["http_options"] = {**config.get("http_options", {}), "host": self.node_ip, "port": self.http_port}
         path = self.temp_dir / "serve-config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
+        names = {a.get("name", "default") for a in config.get("applications", [])}
+        before = {name: a.get("last_deployed_time_s") for name, a in self.serve_applications().items() if name in names}
         for attempt in range(6):  # the dashboard answers /api/version before its Serve endpoint is ready
             deploy = subprocess.run(["serve", "deploy", str(path), "-a", self.dashboard_url],
-                                    env=loopback_env(self.env), capture_output=True, text=True)
+                                    env=self._env(), capture_output=True, text=True)
             if deploy.returncode == 0:
                 break
             time.sleep(5)
         else:
             raise RuntimeError(f"serve deploy failed: {deploy.stderr[-2000:] or deploy.stdout[-2000:]}")
-        # A redeploy keeps answering from the old replicas: wait for Serve to report every app RUNNING too.
-        self._wait(lambda: self._apps_running() and _http_ok(self.base_url + ready_path), timeout_s, "Serve application")
+        # A redeploy keeps answering from the old replicas: wait until Serve has taken this deploy and reports
+        # every app RUNNING (or one DEPLOY_FAILED, raised), and the HTTP path answers.
+        self._wait(lambda: self._apps_running(before) and _http_ok(self.base_url + ready_path), timeout_s, "Serve application")
 
-    def _apps_running(self) -> bool:
+    def serve_applications(self) -> dict:
+        """Serve's view of the applications ({} while the dashboard cannot say)."""
+        try:
+            return self.dashboard_get("/api/serve/applications/").get("applications", {})
+        except Exception:
+            return {}
+
+    def dashboard_get(self, path: str) -> dict:
+        """GET a dashboard REST path (Serve, or the state API `/api/v0/...`): no Ray driver needed."""
         import json
         import urllib.request
 
-        try:
-            with urllib.request.urlopen(self.dashboard_url + "/api/serve/applications/", timeout=5) as r:
-                apps = json.load(r).get("applications", {})
-        except Exception:
-            return False
+        with urllib.request.urlopen(self.dashboard_url + path, timeout=30) as r:
+            return json.load(r)
+
+    def _apps_running(self, before: dict | None = None) -> bool:
+        apps = self.serve_applications()
+        if any(a.get("last_deployed_time_s") == t for name, t in (before or {}).items() if (a := apps.get(name))):
+            return False  # still the previous deploy's state
+        failed = {name: a.get("message", "") for name, a in apps.items() if a.get("status") == "DEPLOY_FAILED"}
+        if failed:
+            raise DeployFailed("; ".join(f"application {name!r} failed to deploy: {msg}" for name, msg in failed.items()))
         return bool(apps) and all(a.get("status") == "RUNNING" for a in apps.values())
 
     def serve_shutdown(self) -> None:
-        subprocess.run(["serve", "shutdown", "-a", self.dashboard_url, "-y"], env=loopback_env(self.env),
+        subprocess.run(["serve", "shutdown", "-a", self.dashboard_url, "-y"], env=self._env(),
                        capture_output=True, timeout=120)
 
     def stop(self) -> None:

@@ -9,12 +9,16 @@ Strategy: STRICT_PACK (one node) when the replica fits one node; otherwise PACK,
 inside one node only when TP groups tile the nodes exactly (`gpus_per_node % tensor_parallel_size == 0`);
 pipeline stages may span nodes. PACK is best effort: `split_tp_groups` checks where bundles really landed.
 
-On CPU vLLM runs the `mp` executor (it refuses Ray's: "current platform cpu does not support ray"), so a
-CPU replica is one bundle holding the actor's CPUs; its engine processes run beside it on that node.
+On CPU (`accelerator: cpu`) vLLM runs the `mp` executor (its CPU platform refuses Ray's: "current platform cpu
+does not support ray"), so a CPU replica is one bundle holding the actor's CPUs; its engine processes run beside it
+on that node. (CI runs the GPU plan on CPU-only nodes through a vLLM platform plugin: see deployments/vllm_adapter.py.)
+
+`unplaceable` says why a plan can never be placed on a cluster's nodes (the builder refuses such a deploy).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -127,3 +131,41 @@ def split_tp_groups(plan: PlacementPlan, bundle_nodes: list[str]) -> list[int]:
         return []
     return [s for s in range(plan.pipeline_parallel_size)
             if len({bundle_nodes[i] for i in plan.tp_group(s)}) > 1]
+
+
+def unplaceable(bundles: Sequence[Mapping[str, float]], strategy: str, nodes: Sequence[Mapping[str, float]]) -> str | None:
+    """Why a placement group of `bundles` can never be placed on nodes with these total resources, or None if it can.
+
+    Only the resources the bundles ask for are compared (Ray's node totals also list memory, node ids, ...).
+    STRICT_PACK needs one node holding every bundle; PACK places bundles first-fit (largest first) over the
+    nodes. The answer names the missing resource: a node size or a cluster total.
+    """
+    keys = sorted({k for b in bundles for k, v in b.items() if v > 0})
+    total = {k: sum(b.get(k, 0.0) for b in bundles) for k in keys}
+    if strategy == "STRICT_PACK":
+        if any(all(n.get(k, 0.0) >= total[k] for k in keys) for n in nodes):
+            return None
+        short = [f"{k}: the largest node has {_num(max((n.get(k, 0.0) for n in nodes), default=0))}"
+                 for k in keys if all(n.get(k, 0.0) < total[k] for n in nodes)]
+        return f"needs {_fmt(total)} on one node (STRICT_PACK); no node has that ({'; '.join(short) or 'no node has all of it at once'})"
+    have = {k: sum(n.get(k, 0.0) for n in nodes) for k in keys}
+    missing = [f"{k}: needs {_num(total[k])}, the cluster has {_num(have[k])}" for k in keys if have[k] < total[k]]
+    if missing:
+        return f"needs {_fmt(total)} in all ({len(bundles)} bundles, {strategy}); {'; '.join(missing)}"
+    free = [dict(n) for n in nodes]
+    for b in sorted(bundles, key=lambda b: tuple(-b.get(k, 0.0) for k in keys)):
+        node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in b.items())), None)
+        if node is None:
+            per_node = ", ".join(_fmt({k: n.get(k, 0.0) for k in keys}) for n in nodes)
+            return f"its {len(bundles)} bundles ({strategy}) do not fit the nodes' sizes ({per_node}): a bundle of {_fmt(b)} finds no room"
+        for k, v in b.items():
+            node[k] = node.get(k, 0.0) - v
+    return None
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in resources.items()) + "}"

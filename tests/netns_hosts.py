@@ -1,4 +1,4 @@
-"""A second "host" on this machine: a network namespace joined to the root one by a veth pair.
+"""A second "host" on this machine: network and PID namespaces, joined to the root network by a veth pair.
 
 Two Ray nodes that share an address do not look like two nodes to vLLM's Ray executor (it groups workers
 by node IP), so multi-node tests run the worker node in a namespace with an address of its own. Only the
@@ -45,10 +45,15 @@ class NetnsHost:
 
     @property
     def exec_prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.name]
+        """Run a command on this host: its own network namespace, and its own PID namespace, so that a Ray
+        driver started there (vLLM's engine core calls `ray.init()`) finds only this host's raylet in `ps` and
+        joins this node; seeing the head's raylet too, Ray would attach it to the head node."""
+        return ["ip", "netns", "exec", self.name, "unshare", "--pid", "--fork", "--mount-proc"]
 
     def up(self) -> NetnsHost:
         ns, a, b = self.name, self.root_if, self.host_if
+        # A run killed before down() leaves its veth pair (same names): remove it, or `ip link add` fails.
+        subprocess.run(["ip", "link", "del", a], capture_output=True)
         for cmd in (
             f"ip netns add {ns}",
             f"ip link add {a} type veth peer name {b}",

@@ -17,10 +17,11 @@ from tests.netns_hosts import NetnsHost, netns_available
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
-def vllm_workers() -> list:
-    from ray.util.state import list_actors
+RAY_WORKERS = {"RayWorkerWrapper", "RayWorkerProc"}  # vLLM's Ray worker actor: 0.26 / 0.32 (RayExecutorV2)
 
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000) if "RayWorkerWrapper" in a.class_name]
+
+def vllm_workers(cluster: LocalCluster) -> list[dict]:
+    return [a for a in cluster.alive_actors() if a["class_name"] in RAY_WORKERS]
 
 
 def answer(base_url: str) -> openai.types.Completion:
@@ -30,42 +31,35 @@ def answer(base_url: str) -> openai.types.Completion:
 
 
 def test_tensor_parallel_2_in_one_placement_group(summit, model_dirs):
-    import ray
-
     summit.serve_deploy(app_config([tiny_gpu_model(model_dirs, tensor_parallel_size=2)]), timeout_s=900)
     r = answer(summit.base_url)
     assert r.usage.completion_tokens == 16 and len(r.choices[0].logprobs.tokens) == 16
-    ray.init(address=summit.address, logging_level="ERROR", log_to_driver=False, ignore_reinit_error=True)
-    workers = vllm_workers()
-    assert len(workers) == 2, [w.class_name for w in workers]
-    assert len({w.placement_group_id for w in workers}) == 1  # both in the replica's placement group
+    workers = vllm_workers(summit)
+    assert len(workers) == 2, [w["class_name"] for w in workers]
+    assert len({w["placement_group_id"] for w in workers}) == 1  # both in the replica's placement group
     summit.serve_shutdown()
 
 
 @pytest.mark.skipif(not netns_available(), reason="needs root and `ip netns`")
 def test_pipeline_parallel_2_across_two_nodes(summit, model_dirs):
-    import ray
-
     summit.serve_shutdown()  # frees both GPUs of the session cluster
-    ray.shutdown()
     host = NetnsHost(subnet=252).up()
-    head_env = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_SOCKET_IFNAME": host.root_if, "GLOO_SOCKET_IFNAME": host.root_if}
+    head_env = {"CUDA_VISIBLE_DEVICES": "0", "VLLM_HOST_IP": host.root_ip, "NCCL_SOCKET_IFNAME": host.root_if,
+                "GLOO_SOCKET_IFNAME": host.root_if}
     cluster = LocalCluster(num_cpus=8, num_gpus=1, node_ip=host.root_ip, env=head_env)
     try:
         cluster.start()
         cluster.add_worker(host.host_ip, num_cpus=8, num_gpus=1, prefix=host.exec_prefix,
-                           env={"CUDA_VISIBLE_DEVICES": "1", "NCCL_SOCKET_IFNAME": host.host_if,
-                                "GLOO_SOCKET_IFNAME": host.host_if})
+                           env={"CUDA_VISIBLE_DEVICES": "1", "VLLM_HOST_IP": host.host_ip,
+                                "NCCL_SOCKET_IFNAME": host.host_if, "GLOO_SOCKET_IFNAME": host.host_if})
         model = tiny_gpu_model(model_dirs, pipeline_parallel_size=2, gpus_per_node=1)
         cluster.serve_deploy(app_config([model]), timeout_s=900)
         r = answer(cluster.base_url)
         assert r.usage.completion_tokens == 16
-        workers = vllm_workers()
-        nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-        worker_ips = sorted(nodes[w.node_id] for w in workers)
+        ip_of = {n["node_id"]: n["node_ip"] for n in cluster.alive_nodes()}
+        worker_ips = sorted(ip_of[w["node_id"]] for w in vllm_workers(cluster))
         print("vLLM Ray workers on", worker_ips)
         assert worker_ips == sorted([host.root_ip, host.host_ip])  # one pipeline stage on each node
     finally:
-        ray.shutdown()
         cluster.stop()
         host.down()

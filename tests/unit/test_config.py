@@ -111,3 +111,43 @@ def test_gpu_tp_pp_gets_a_placement_group_and_the_ray_executor():
     assert "distributed_executor_backend" not in single.engine_args()
     cpu = ModelConfig.model_validate(model(tensor_parallel_size=2))
     assert "distributed_executor_backend" not in cpu.engine_args()  # vLLM's CPU platform refuses Ray's
+
+
+class _FakeRay:
+    """Stands in for `ray` in the builder's cluster check: a fixed set of alive nodes (a fake, not a cluster)."""
+
+    def __init__(self, nodes: list[dict]):
+        self._nodes = nodes
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def nodes(self) -> list[dict]:
+        return [{"Alive": True, "Resources": r} for r in self._nodes] + [{"Alive": False, "Resources": {"GPU": 64.0}}]
+
+
+def test_build_refuses_a_model_the_cluster_cannot_place_naming_model_and_resource(monkeypatch):
+    import sys
+
+    from app.builder import replica_bundles, wait_until_placeable
+
+    big = ModelConfig.model_validate(model(name="big", accelerator="gpu", tensor_parallel_size=8, pipeline_parallel_size=2))
+    small = ModelConfig.model_validate(model(name="small", accelerator="gpu"))
+    options = {m.name: llm_deployment_options(m) for m in (big, small)}
+    assert replica_bundles(options["small"]) == ([{"CPU": 1.0, "GPU": 1}], "STRICT_PACK")
+
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay([{"GPU": 8.0, "CPU": 96.0}] * 2))
+    wait_until_placeable(options, wait_s=0)  # two 8-GPU nodes hold TP 8 x PP 2 (the dead node is not counted)
+
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay([{"GPU": 8.0, "CPU": 96.0}]))
+    with pytest.raises(ValueError) as e:
+        wait_until_placeable(options, wait_s=0.2, poll_s=0.05)
+    text = str(e.value)
+    assert "model 'big'" in text and "GPU: needs 16, the cluster has 8" in text and "small" not in text
+    assert "placement_wait_s: -1" in text
+    wait_until_placeable(options, wait_s=-1)  # -1: never refuse
+
+
+def test_placement_wait_is_a_checked_top_level_key():
+    assert SummitConfig.model_validate({"models": [model()]}).placement_wait_s == 600
+    assert "placement_wait_s" in error_text({"models": [model()], "placement_wait_s": -5})

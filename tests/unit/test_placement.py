@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from app.placement import PlacementPlan, placement_deployment_options, plan_placement, split_tp_groups
+from app.placement import PlacementPlan, placement_deployment_options, plan_placement, split_tp_groups, unplaceable
 
 GPU_WORKER = {"GPU": 1.0, "CPU": 1.0}
 
@@ -113,3 +113,37 @@ def test_split_tp_groups_reports_stages_that_crossed_nodes():
     with pytest.raises(ValueError, match="16 bundles"):
         split_tp_groups(plan, ["a"])
     assert split_tp_groups(plan_placement(1, 1, "cpu", num_cpus=1), ["a"]) == []
+
+
+NODE_8GPU = {"GPU": 8.0, "CPU": 192.0, "memory": 2e12, "node:10.0.0.1": 1.0}
+
+
+def test_405b_plan_is_placeable_on_two_8_gpu_nodes_but_not_one():
+    plan = plan_placement(8, 2, "gpu", gpus_per_node=8)
+    assert unplaceable(plan.bundles, plan.strategy, [NODE_8GPU, NODE_8GPU]) is None
+    why = unplaceable(plan.bundles, plan.strategy, [NODE_8GPU])
+    assert why is not None and "GPU: needs 16, the cluster has 8" in why
+
+
+def test_strict_pack_needs_one_node_holding_everything():
+    plan = plan_placement(4, 1, "gpu", gpus_per_node=8)
+    assert unplaceable(plan.bundles, plan.strategy, [NODE_8GPU]) is None
+    small = {"GPU": 2.0, "CPU": 64.0}
+    why = unplaceable(plan.bundles, plan.strategy, [small, small, small])  # 6 GPUs in all, but 2 per node
+    assert why is not None and "on one node (STRICT_PACK)" in why and "GPU: the largest node has 2" in why
+    assert "CPU" not in why.split("no node has that")[1]  # CPUs are not what is missing
+
+
+def test_pack_fails_on_fragmented_nodes_and_says_so():
+    bundles = [{"GPU": 1.0, "CPU": 3.0}] * 2
+    nodes = [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0, "CPU": 5.0}]  # totals suffice, sizes do not
+    why = unplaceable(bundles, "PACK", nodes)
+    assert why is not None and "do not fit the nodes' sizes" in why and "{GPU: 1, CPU: 3}" in why
+    assert unplaceable(bundles, "PACK", [{"GPU": 1.0, "CPU": 3.0}, {"GPU": 1.0, "CPU": 5.0}]) is None
+
+
+def test_cpu_replica_and_resources_it_does_not_ask_for():
+    assert unplaceable([{"CPU": 0.5, "GPU": 0.0}], "STRICT_PACK", [{"CPU": 2.0}]) is None  # GPU 0 is not a need
+    why = unplaceable([{"CPU": 4.0}], "STRICT_PACK", [{"CPU": 2.0}, {"CPU": 2.0}])
+    assert why is not None and "CPU: the largest node has 2" in why
+    assert unplaceable([{"GPU": 1.0}], "PACK", []) is not None  # no nodes at all
