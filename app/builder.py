@@ -73,7 +73,7 @@ def wait_until_placeable(options: dict[str, dict[str, Any]], wait_s: float, poll
 
     if not ray.is_initialized() or wait_s < 0:
         return
-    deadline = time.monotonic() + wait_s
+    deadline, next_log = time.monotonic() + wait_s, time.monotonic()
     while True:
         nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
         problems = [f"model {name!r}: one replica {why}" for name, opts in options.items()
@@ -84,9 +84,11 @@ def wait_until_placeable(options: dict[str, dict[str, Any]], wait_s: float, poll
             raise ValueError(
                 f"the Ray cluster cannot place {'; '.join(problems)} (waited {wait_s:g} s for nodes). Fix: add nodes with "
                 "those resources, or lower the model's tensor_parallel_size / pipeline_parallel_size / deployment.num_cpus; "
-                "set `placement_wait_s: -1` where an autoscaler adds nodes on demand.")
-        logger.warning("Waiting for Ray nodes: %s", "; ".join(problems))
-        time.sleep(poll_s)
+                "or raise `placement_wait_s` (-1: wait without end) if nodes are still to join.")
+        if time.monotonic() >= next_log:
+            logger.warning("Waiting up to %.0f s more for Ray nodes: %s", deadline - time.monotonic(), "; ".join(problems))
+            next_log = time.monotonic() + 30
+        time.sleep(min(poll_s, max(0.05, deadline - time.monotonic())))
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -225,9 +225,10 @@ class SummitConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1, description="The models this application serves.")
     ingress: IngressOptions = Field(default_factory=IngressOptions, description="The OpenAI HTTP ingress.")
     placement_wait_s: float = Field(
-        600.0, ge=-1, description="How long building the app waits for the Ray cluster to have nodes that can hold one "
+        1800.0, ge=-1, description="How long building the app waits for the Ray cluster to have nodes that can hold one "
         "replica of every model (its placement group, or its actor's CPUs/GPU) before the deploy fails naming the missing "
-        "resource. 0: check once; -1: never fail (an autoscaler adds nodes on demand; Serve then waits for them)."
+        "resource; long enough by default for a cluster launcher or KubeRay to bring GPU nodes up. 0: check once; "
+        "-1: never fail (Serve then waits for nodes without end, as it does on its own)."
     )
 
     @model_validator(mode="after")

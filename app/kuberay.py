@@ -69,9 +69,15 @@ def gpu_nodes(serve_doc: dict, gpus_per_node: int) -> int:
     return max(1, math.ceil(gpus / gpus_per_node))
 
 
+# Serve's HAProxy in front of the ingress replicas instead of its Python proxy (README: "Proxy"); read by the Serve
+# controller when Ray starts, so it is set in every Ray container.
+RAY_ENV = [{"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}]
+
+
 def _container(name: str, image: str, resources: dict, ports: list[dict] | None = None,
                mounts: list[dict] | None = None) -> dict:
-    container = {"name": name, "image": image, "resources": {"requests": dict(resources), "limits": dict(resources)}}
+    container = {"name": name, "image": image, "env": list(RAY_ENV),
+                 "resources": {"requests": dict(resources), "limits": dict(resources)}}
     if ports:
         container["ports"] = ports
     if mounts:

@@ -45,6 +45,24 @@ class DeployFailed(RuntimeError):
     """Serve reported DEPLOY_FAILED for an application; the message is Serve's (with the replica's error)."""
 
 
+def haproxy_env(state_dir: Path) -> dict[str, str]:
+    """Serve's HAProxy option with this cluster's own files and ports: by default HAProxy keeps its config and admin
+    socket under /tmp/haproxy-serve and its stats and metrics on ports 8404 / 9101, one set per machine.
+
+    Keep `state_dir` short: Serve adds a 56-character node id below it and HAProxy refuses socket paths over 97."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(state_dir / "admin.sock"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(state_dir / "metrics.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(state_dir),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+    }
+
+
 @dataclass
 class LocalCluster:
     """`ray start --head --block` on loopback with its own temp dir and ports."""
@@ -53,6 +71,7 @@ class LocalCluster:
     env: dict[str, str] = field(default_factory=dict)
     node_ip: str = LOOPBACK
     num_gpus: int | None = None
+    haproxy: bool = False  # Serve's HAProxy instead of its Python proxy (RAY_SERVE_ENABLE_HA_PROXY, read at ray start)
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="summit-ray-", dir="/tmp")))
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
@@ -125,7 +144,12 @@ class LocalCluster:
         return self.dashboard_get("/api/v0/placement_groups?limit=10000&detail=1")["data"]["result"]["result"]
 
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = loopback_env({**self.env, **(extra or {})})
+        # vLLM's IPC sockets go to the cluster's temp dir (removed by stop()), not /tmp where killed engines leave them.
+        env = loopback_env({"VLLM_RPC_BASE_PATH": str(self.temp_dir), **self.env, **(extra or {})})
+        if self.haproxy:
+            if "RAY_SERVE_ENABLE_HA_PROXY" not in self.env:  # once: its ports must stay the same for every process
+                self.env.update(haproxy_env(self.temp_dir / "h"))
+            env.update(self.env)
         if self.node_ip != LOOPBACK:
             # Ray refuses to add nodes when this is 0 (which keeps a one-node cluster on 127.0.0.1).
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"

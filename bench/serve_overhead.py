@@ -118,7 +118,7 @@ def bench_vllm(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[Load
         proc.wait(60)
 
 
-def bench_summit(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[LoadResult]]:
+def bench_summit(ns: argparse.Namespace, model_dir: str, haproxy: bool = False) -> tuple[float, list[LoadResult]]:
     model = {"name": MODEL, "source": model_dir, "accelerator": ns.accelerator, "tensor_parallel_size": ns.tp,
              "engine_kwargs": engine_kwargs(ns), "stream_coalesce_ms": ns.coalesce_ms,
              "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1}}
@@ -126,7 +126,7 @@ def bench_summit(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[Lo
         "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
         "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
         "args": {"models": [model]}}]}
-    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=engine_env(ns))
+    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=engine_env(ns), haproxy=haproxy)
     try:
         t0 = time.monotonic()
         cluster.start()
@@ -154,7 +154,8 @@ def main() -> None:
     p.add_argument("--coalesce-ms", type=float, default=None, help="Summit's stream_coalesce_ms (default: the config default)")
     p.add_argument("--omp-threads", type=int, default=1, help="CPU engine threads for both peers (cpu only)")
     p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--only", choices=["vllm", "summit"], default=None)
+    p.add_argument("--haproxy", action="store_true", help="also Summit behind Serve's HAProxy option (bench/proxy.py)")
+    p.add_argument("--only", choices=["vllm", "summit", "summit-haproxy"], default=None)
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     if ns.coalesce_ms is None:
@@ -173,22 +174,25 @@ def main() -> None:
         bw = copy_bandwidth_gbs()
         bound = hbm_bound_tok_s(model_dir, bw)
         print(f"copy bandwidth {bw:.0f} GB/s; single-stream HBM bound {bound:.1f} tok/s", flush=True)
-    peers = {"vllm": bench_vllm, "summit": bench_summit}
+    peers = {"vllm": bench_vllm, "summit": bench_summit,
+             "summit-haproxy": lambda ns, model_dir: bench_summit(ns, model_dir, haproxy=True)}
+    wanted = {"vllm", "summit"} | ({"summit-haproxy"} if ns.haproxy else set())
     results: dict[str, tuple[float, list[LoadResult]]] = {}
     for name, fn in peers.items():
-        if ns.only in (None, name):
+        if name in wanted and ns.only in (None, name):
             results[name] = fn(ns, model_dir)
             print(f"{name}: ready in {results[name][0]:.1f} s", flush=True)
 
-    print(f"\n{'peer':<8}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}")
+    print(f"\n{'peer':<16}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}")
     for name, (_, rows) in results.items():
         for r in rows:
-            print(f"{name:<8}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
+            print(f"{name:<16}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
                   f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}")
-    if len(results) == 2:
-        for v, s in zip(results["vllm"][1], results["summit"][1]):
-            print(f"ratio summit/vllm at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
-                  f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x")
+    if "vllm" in results:
+        for name in [n for n in results if n != "vllm"]:
+            for v, s in zip(results["vllm"][1], results[name][1]):
+                print(f"ratio {name}/vllm at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
+                      f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x")
     if bound:
         for name, (_, rows) in results.items():
             for r in rows:

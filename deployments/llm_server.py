@@ -54,6 +54,7 @@ class LLMServer:
             "replica_id": self._replica_id,
             "pid": os.getpid(),
             "num_unfinished_requests": vllm_adapter.num_unfinished_requests(self._engine_app.engine),
+            "generation_tokens": vllm_adapter.generated_tokens(),
         }
 
     def prefix_cache_stats(self) -> dict:

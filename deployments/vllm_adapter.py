@@ -201,21 +201,31 @@ def num_unfinished_requests(engine) -> int:
     return engine.output_processor.get_num_unfinished_requests()
 
 
-# vLLM's Prometheus counters (v1 PrometheusStatLogger, installed by AsyncLLM unless `disable_log_stats`): prompt
-# tokens looked up in the prefix cache, and those found there. Registered in the process that holds the AsyncLLM.
+# vLLM's Prometheus counters (v1 PrometheusStatLogger, installed by AsyncLLM unless `disable_log_stats`), registered
+# in the process that holds the AsyncLLM: prompt tokens looked up in / found in the prefix cache, tokens generated.
 _PREFIX_CACHE_COUNTERS = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
+_GENERATION_COUNTERS = {"vllm:generation_tokens": "generation_tokens"}
+
+
+def _counters(names: dict[str, str]) -> dict[str, int]:
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    totals = dict.fromkeys(names.values(), 0)
+    for metric in get_metrics_snapshot():
+        if isinstance(metric, Counter) and metric.name in names:
+            totals[names[metric.name]] += metric.value
+    return totals
 
 
 def prefix_cache_counters() -> dict[str, int]:
     """{"queries", "hits"}: prompt tokens this process's engine looked up in / found in its prefix cache since it
     started (vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`), summed over engines and labels."""
-    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+    return _counters(_PREFIX_CACHE_COUNTERS)
 
-    totals = dict.fromkeys(_PREFIX_CACHE_COUNTERS.values(), 0)
-    for metric in get_metrics_snapshot():
-        if isinstance(metric, Counter) and metric.name in _PREFIX_CACHE_COUNTERS:
-            totals[_PREFIX_CACHE_COUNTERS[metric.name]] += metric.value
-    return totals
+
+def generated_tokens() -> int:
+    """Tokens this process's engine has generated since it started (vLLM's `vllm:generation_tokens`)."""
+    return _counters(_GENERATION_COUNTERS)["generation_tokens"]
 
 
 def shutdown_engine(engine) -> None:

@@ -68,6 +68,18 @@ def test_launcher_files_use_token_auth_everywhere(name):
     assert any("RAY_AUTH_MODE=token" in c for c in config["setup_commands"])
 
 
+def test_cluster_files_start_ray_with_serves_haproxy():
+    for name in LAUNCHER_FILES:
+        config = yaml.safe_load((CLUSTER / name).read_text())
+        starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
+        assert len(starts) == 2 and all("RAY_SERVE_ENABLE_HA_PROXY=1 ray start" in c for c in starts), name
+    assert 'export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1}' in SBATCH.read_text()
+    spec = yaml.safe_load((CLUSTER / "kuberay/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for container in (c for g in groups for c in g["template"]["spec"]["containers"]):
+        assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in container["env"], container["name"]
+
+
 def test_every_cluster_config_uses_token_auth():
     for path in sorted(CLUSTER.rglob("*")):
         if path.is_file():

@@ -144,10 +144,10 @@ def test_build_refuses_a_model_the_cluster_cannot_place_naming_model_and_resourc
         wait_until_placeable(options, wait_s=0.2, poll_s=0.05)
     text = str(e.value)
     assert "model 'big'" in text and "GPU: needs 16, the cluster has 8" in text and "small" not in text
-    assert "placement_wait_s: -1" in text
+    assert "`placement_wait_s` (-1: wait without end)" in text
     wait_until_placeable(options, wait_s=-1)  # -1: never refuse
 
 
 def test_placement_wait_is_a_checked_top_level_key():
-    assert SummitConfig.model_validate({"models": [model()]}).placement_wait_s == 600
+    assert SummitConfig.model_validate({"models": [model()]}).placement_wait_s == 1800
     assert "placement_wait_s" in error_text({"models": [model()], "placement_wait_s": -5})
