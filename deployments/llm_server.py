@@ -54,8 +54,12 @@ class LLMServer:
             "replica_id": self._replica_id,
             "pid": os.getpid(),
             "num_unfinished_requests": vllm_adapter.num_unfinished_requests(self._engine_app.engine),
-            "generation_tokens": vllm_adapter.generated_tokens(),
         }
+
+    def token_counters(self) -> dict:
+        """vLLM's own count of tokens this replica's engine has generated (not in `stats()`, which tests poll
+        often: reading vLLM's metrics registry takes far longer than the request count)."""
+        return {"replica_id": self._replica_id, "generation_tokens": vllm_adapter.generated_tokens()}
 
     def prefix_cache_stats(self) -> dict:
         """vLLM's own prefix-cache counters for this replica's engine: prompt tokens queried and found cached."""

@@ -12,6 +12,7 @@ import functools
 import os
 from argparse import Namespace
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 # Keys Summit sets itself; a YAML that puts them in engine_kwargs is pointed at the right key.
@@ -115,6 +116,9 @@ async def start_engine_app(args: Namespace) -> EngineApp:
         supported_tasks = await engine.get_supported_tasks()
         app = build_app(args, supported_tasks, engine.model_config)
         await init_app_state(engine, app.state, args, supported_tasks)
+        # vLLM's engine-error handler sets `app.state.server.should_exit` (its uvicorn server's) so that `vllm serve`
+        # exits once the engine is dead. No server runs here: Serve's health check replaces the replica instead.
+        app.state.server = SimpleNamespace(should_exit=False)
     except BaseException:
         engine.shutdown()
         raise

@@ -34,9 +34,9 @@ def hclient(behind_haproxy) -> openai.OpenAI:
     return openai.OpenAI(base_url=behind_haproxy.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def engine_stats(cluster: LocalCluster) -> dict:
-    """The engine's own figures (vLLM's request count and generated-token counter), not what the client infers."""
-    return next(iter(probe(cluster.address, "each", APP, f"LLMServer:{MODEL}", "stats", "--replicas", "1").values()))
+def engine_stats(cluster: LocalCluster, method: str = "stats") -> dict:
+    """The engine's own figures (vLLM's request count, or its generated-token counter), not what the client infers."""
+    return next(iter(probe(cluster.address, "each", APP, f"LLMServer:{MODEL}", method, "--replicas", "1").values()))
 
 
 def test_haproxy_is_what_answers(behind_haproxy):
@@ -65,13 +65,13 @@ def test_stream_headers_and_errors_pass_through(hclient):
 
 def test_client_disconnect_aborts_the_engine_request(behind_haproxy, hclient):
     assert wait_for(lambda: engine_stats(behind_haproxy)["num_unfinished_requests"] == 0, 60, interval_s=1)
-    before = engine_stats(behind_haproxy)["generation_tokens"]
+    before = engine_stats(behind_haproxy, "token_counters")["generation_tokens"]
     stream = hclient.completions.create(model=MODEL, prompt="Dropped", max_tokens=2000, stream=True,
                                         extra_body={"ignore_eos": True})
     for _, _ in zip(range(3), stream):
         pass
     stream.close()  # the client goes away mid-stream: HAProxy closes its connection to the ingress replica
     assert wait_for(lambda: engine_stats(behind_haproxy)["num_unfinished_requests"] == 0, 60, interval_s=1)
-    generated = engine_stats(behind_haproxy)["generation_tokens"] - before
+    generated = engine_stats(behind_haproxy, "token_counters")["generation_tokens"] - before
     # Aborted: the engine stopped long before the 2,000 tokens it would have made for a client that stayed.
     assert 3 <= generated < 1500, f"the engine generated {generated} tokens for a request dropped after 3"

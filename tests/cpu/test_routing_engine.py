@@ -19,19 +19,22 @@ import psutil
 import pytest
 
 from app.replica_probe import probe
-from app.tiny_model import _WORDS
+from app.tiny_model import _WORDS, make_tiny_model
 from tests.cpu.engine_apps import APP, deployed, running_replicas, tiny_model, wait_for
 
 PREFIX, SESSION = "tiny-prefix", "tiny-session"
 KV_BLOCK = 128  # vLLM's CPU KV block (tokens); the prefix cache reuses whole blocks only
 HOT_IMBALANCE = 2
+PREFIX_MAX_LEN = 8192
 
 
 @pytest.fixture(scope="module")
-def summit2(tiny_model_dir):
+def summit2(tiny_model_dir, tmp_path_factory):
+    # The prefix model takes long contexts, so the hot-prefix test's streams can outlast routing on a loaded box.
+    long_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-8k", max_len=PREFIX_MAX_LEN)
     models = [
-        tiny_model(PREFIX, {"enable_prefix_caching": True}, {"num_replicas": 2},
-                   routing={"policy": "prefix_affinity", "imbalance": HOT_IMBALANCE}),
+        tiny_model(PREFIX, {"enable_prefix_caching": True, "max_model_len": PREFIX_MAX_LEN}, {"num_replicas": 2},
+                   routing={"policy": "prefix_affinity", "imbalance": HOT_IMBALANCE}, source=str(long_dir)),
         tiny_model(SESSION, {"enable_prefix_caching": True}, {"num_replicas": 2}, routing={"policy": "session_affinity"}),
     ]
     with deployed(models, tiny_model_dir) as cluster:
@@ -69,7 +72,7 @@ def cache_counters(cluster) -> dict[str, dict]:
 def test_two_models_listed_served_and_unknown_named(http):
     listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
     assert {PREFIX, SESSION} <= set(listed)
-    assert all(listed[name].get("max_model_len") == 2048 for name in (PREFIX, SESSION))
+    assert listed[PREFIX].get("max_model_len") == PREFIX_MAX_LEN and listed[SESSION].get("max_model_len") == 2048
     for name in (PREFIX, SESSION):
         r = complete(http, name, "Hello there")
         assert r.status_code == 200 and r.json()["model"] == name
@@ -108,31 +111,31 @@ def test_a_hot_prefix_spills_to_the_other_replica(http):
     home = replica_of(complete(http, PREFIX, hot + "Warm-up question."))
     n = 2 * HOT_IMBALANCE + 2
     replicas: dict[int, str] = {}
-    running = [threading.Event() for _ in range(n)]
+    routed = [threading.Event() for _ in range(n)]
     finished_early: list[int] = []
     stop = threading.Event()
 
     def stream(i: int) -> None:
-        # Long enough to outlive the others' start; the test closes it (an abort) once every stream was routed.
-        body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 1600, "ignore_eos": True, "stream": True}
+        # ~7,500 tokens (tens of seconds even alone): far longer than routing the others takes; the test closes it
+        # (an abort) once every stream was routed.
+        body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 7500, "ignore_eos": True, "stream": True}
         try:
             with http.stream("POST", "/v1/completions", json=body) as r:
-                replicas[i] = replica_of(r)
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        running[i].set()  # the engine is generating it: its replica counts it as ongoing
+                replicas[i] = replica_of(r)  # the answer has started: its replica counts it as ongoing
+                routed[i].set()
+                for _ in r.iter_lines():
                     if stop.is_set():
                         return
                 if not stop.is_set():
                     finished_early.append(i)
         finally:
-            running[i].set()
+            routed[i].set()
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(n)]
     try:
         for i, t in enumerate(threads):  # one at a time: each request is routed seeing the load of those before it
             t.start()
-            assert running[i].wait(120), f"stream {i} produced nothing in 120 s"
+            assert routed[i].wait(120), f"stream {i} got no answer in 120 s"
     finally:
         stop.set()
         for t in threads:
