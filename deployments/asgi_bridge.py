@@ -26,6 +26,9 @@ class HTTPRequest:
     query_string: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
+    def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
+        return next((v for k, v in self.headers if k.lower() == name), default)
+
     def scope(self) -> dict:
         return {
             "type": "http",

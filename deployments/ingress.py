@@ -102,8 +102,33 @@ async def _sse(stream) -> AsyncIterator[bytes]:
     except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as e:
         logger.warning("stream ended by replica failure: %s", type(e).__name__)
         yield sse_error_event(503, "The model replica failed during this stream; retry.")
-    finally:
-        stream.cancel()  # the client went away (or we are done): abort the engine request
+
+
+class ReplicaStream(StreamingResponse):
+    """A model replica's SSE stream; however the response ends, the replica's stream is cancelled then.
+
+    Starlette does not close the body iterator when the response is cancelled (client gone): a generator
+    left suspended at a `yield` would run its `finally` only when garbage-collected, and the engine
+    would go on generating for nobody. Cancelling here, when the response itself ends, is deterministic.
+    """
+
+    def __init__(self, stream, request_id: str, status_code: int, headers: dict[str, str]):
+        super().__init__(_sse(stream), status_code=status_code, headers=headers)
+        self._stream = stream
+        self._request_id = request_id
+        self._finished = False
+
+    async def stream_response(self, send) -> None:
+        await super().stream_response(send)
+        self._finished = True
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._finished:
+                logger.info("client left stream %s before its end: cancelling the engine request", self._request_id)
+            self._stream.cancel()  # aborts the engine request if it is still running; a no-op after the end
 
 
 # Defined after the helpers: serve.ingress serializes the class when it is decorated.
@@ -173,7 +198,7 @@ class OpenAIIngress:
             start = await _first(stream)
             reply_headers = _response_headers(start)
             if start.header(b"content-type", b"").startswith(b"text/event-stream"):
-                return StreamingResponse(_sse(stream), status_code=start.status, headers=reply_headers)
+                return ReplicaStream(stream, request_id, start.status, reply_headers)
             payload = await _rest(stream)
         except ModelUnavailable as e:
             return error_response(e.status, str(e), headers={"retry-after": e.retry_after})

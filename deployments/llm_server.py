@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import logging.handlers
 import os
 from collections.abc import AsyncIterator
 
@@ -26,10 +29,11 @@ class LLMServer:
 
     async def __init__(self, model: ModelConfig, source: str):
         self._model = model
-        args = vllm_adapter.serve_namespace(source, model.name, model.engine_args(), model.frontend_kwargs)
         self._replica_id = _replica_id()
-        logger.info("Starting vLLM %s for %s from %s", vllm_adapter.vllm_version(), model.name, source)
-        self._engine_app = await vllm_adapter.start_engine_app(args)
+        with _serve_log_file_kept():
+            args = vllm_adapter.serve_namespace(source, model.name, model.engine_args(), model.frontend_kwargs)
+            logger.info("Starting vLLM %s for %s from %s", vllm_adapter.vllm_version(), model.name, source)
+            self._engine_app = await vllm_adapter.start_engine_app(args)
         self._coalesce_s = model.stream_coalesce_ms / 1000.0
 
     async def handle_http(self, request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
@@ -37,12 +41,17 @@ class LLMServer:
         if vllm_adapter.engine_is_dead(self._engine_app.engine):
             # Serve's health check will replace this replica; the ingress turns this into a 503.
             raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} is dead")
-        async for item in stream_asgi(self._engine_app.app, request, self._coalesce_s):
-            if isinstance(item, ResponseStart):
-                if item.status >= 500 and vllm_adapter.engine_is_dead(self._engine_app.engine):
-                    raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} died during the request")
-                item.headers.append((REPLICA_HEADER, self._replica_id.encode()))
-            yield item
+        try:
+            async for item in stream_asgi(self._engine_app.app, request, self._coalesce_s):
+                if isinstance(item, ResponseStart):
+                    if item.status >= 500 and vllm_adapter.engine_is_dead(self._engine_app.engine):
+                        raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} died during the request")
+                    item.headers.append((REPLICA_HEADER, self._replica_id.encode()))
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            # stream_asgi cancels vLLM's app for this request, which aborts the engine request
+            logger.info("request %s cancelled by its caller: aborting it in the engine", request.header(b"x-request-id", b"").decode())
+            raise
 
     async def check_health(self) -> None:
         """Serve calls this periodically: a dead engine marks the replica unhealthy and Serve replaces it."""
@@ -71,6 +80,24 @@ class LLMServer:
         if engine_app is not None:
             vllm_adapter.shutdown_engine(engine_app.engine)
             self._engine_app = None
+
+
+@contextlib.contextmanager
+def _serve_log_file_kept():
+    """Keep Serve's replica log file attached while vLLM starts.
+
+    vLLM's start-up applies a logging dictConfig, which closes every handler in the process: Serve's
+    buffering handler loses its file, and the replica's later lines (requests, cancellations) would reach
+    only the worker's stderr, not the replica log the Ray dashboard shows. Re-attach the file afterwards.
+    """
+    kept = [(h, h.target) for h in logging.getLogger("ray.serve").handlers
+            if isinstance(h, logging.handlers.MemoryHandler) and h.target is not None]
+    try:
+        yield
+    finally:
+        for handler, target in kept:
+            if handler.target is None:
+                handler.setTarget(target)
 
 
 def _replica_id() -> str:

@@ -11,11 +11,15 @@ from app.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
+# The session app serves a longer context than the shipped YAML's 2,048: the abort test needs streams that
+# run for tens of seconds on a fast tiny model, longer than a disconnect takes to reach the engine on a
+# loaded box. Other apps made from this model set their own (smaller) max_model_len.
+MAX_MODEL_LEN = 8192
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", max_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +28,9 @@ def summit(tiny_model_dir):
     cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir)})
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
     model = config["applications"][0]["args"]["models"][0]
-    # Faster failure detection for the dead-engine test; everything else is the shipped YAML.
+    # Faster failure detection for the dead-engine test and a longer context (above); everything else is the shipped YAML.
     model["deployment"].update(health_check_period_s=2, health_check_timeout_s=10)
+    model["engine_kwargs"]["max_model_len"] = MAX_MODEL_LEN
     try:
         cluster.start()
         cluster.serve_deploy(config)

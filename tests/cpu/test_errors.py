@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cpu.conftest import MODEL
+from tests.cpu.conftest import MAX_MODEL_LEN, MODEL
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict:
@@ -65,9 +65,9 @@ def test_invalid_chat_messages_are_400(summit, client):
 
 
 def test_prompt_longer_than_max_model_len_is_400(summit, client):
-    prompt = "mountain " * 3000  # > 2048 tokens
+    prompt = "mountain " * (MAX_MODEL_LEN + 500)  # one token per word, plus BOS
     error = assert_openai_error(post(summit, "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}), 400)
-    assert "2048" in error["message"] or "context" in error["message"].lower()
+    assert str(MAX_MODEL_LEN) in error["message"] or "context" in error["message"].lower()
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4)
     assert_still_serving(client)

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from tests.cpu.conftest import MODEL
+from tests.cpu.conftest import MAX_MODEL_LEN, MODEL
 
 MESSAGES = [{"role": "user", "content": "What is the tallest mountain?"}]
 
@@ -14,7 +14,7 @@ MESSAGES = [{"role": "user", "content": "What is the tallest mountain?"}]
 def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    assert models[0].model_extra["max_model_len"] == 2048  # vLLM's own /v1/models answer, passed through
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN  # vLLM's own /v1/models answer, passed through
 
 
 def test_chat_completion(client):
