@@ -22,6 +22,21 @@ def _make_model_config(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _wait_ready(ns: argparse.Namespace) -> int:
+    import time
+
+    from app.ready import base_url, wait_ready
+
+    url = base_url(ns.config)
+    start = time.monotonic()
+    models = wait_ready(url, ns.timeout, while_pid=ns.while_pid)
+    if models is None:
+        print(f"summit: {url} not answering after {time.monotonic() - start:.0f} s", file=sys.stderr)
+        return 1
+    print(f"summit: ready after {time.monotonic() - start:.0f} s: {url}/v1 serves {', '.join(models)}", flush=True)
+    return 0
+
+
 def _load_shape(model: str):
     """A preset name, a config.json file, or a checkpoint directory holding one."""
     import json
@@ -124,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("preset", help="llama-3.1-8b | llama-3.1-70b | llama-3.1-405b (or 8b, 70b, 405b)")
     p.add_argument("dir")
     p.set_defaults(func=_make_model_config)
+
+    p = sub.add_parser("wait-ready", help="wait until CONFIG's application answers on its HTTP port, then say so")
+    p.add_argument("config", help="the Serve YAML being served (its http_options give the address)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds")
+    p.add_argument("--while-pid", type=int, default=None, help="give up when this process (e.g. `serve run`) exits")
+    p.set_defaults(func=_wait_ready)
     _add_sizing_commands(sub)
     return parser
 
