@@ -79,6 +79,10 @@ class LocalCluster:
     proc: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.haproxy:  # fixed here: every process of the cluster must see the same HAProxy files and ports
+            self.env = {**haproxy_env(self.temp_dir / "h"), **self.env}
+
     @property
     def address(self) -> str:
         return f"{self.node_ip}:{self.gcs_port}"
@@ -146,10 +150,6 @@ class LocalCluster:
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         # vLLM's IPC sockets go to the cluster's temp dir (removed by stop()), not /tmp where killed engines leave them.
         env = loopback_env({"VLLM_RPC_BASE_PATH": str(self.temp_dir), **self.env, **(extra or {})})
-        if self.haproxy:
-            if "RAY_SERVE_ENABLE_HA_PROXY" not in self.env:  # once: its ports must stay the same for every process
-                self.env.update(haproxy_env(self.temp_dir / "h"))
-            env.update(self.env)
         if self.node_ip != LOOPBACK:
             # Ray refuses to add nodes when this is 0 (which keeps a one-node cluster on 127.0.0.1).
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"

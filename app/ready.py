@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import yaml
 
 
@@ -40,17 +40,7 @@ def wait_ready(url: str, timeout_s: float, interval_s: float = 1.0, while_pid: i
     while time.monotonic() < deadline:
         if (models := engines_answering(url)) is not None:
             return models
-        if while_pid is not None and not _alive(while_pid):
+        if while_pid is not None and not psutil.pid_exists(while_pid):
             return None
         time.sleep(interval_s)
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -10,6 +10,14 @@ from dataclasses import dataclass
 import httpx
 
 
+def percentile(data: list[float], q: float) -> float:
+    """Nearest-rank percentile `q` (0-100) of `data`; NaN when empty."""
+    if not data:
+        return float("nan")
+    data = sorted(data)
+    return data[min(len(data) - 1, int(round(q / 100 * (len(data) - 1))))]
+
+
 @dataclass
 class LoadResult:
     concurrency: int
@@ -24,10 +32,7 @@ class LoadResult:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
     def ttft_pct(self, q: float) -> float:
-        if not self.ttft_s:
-            return float("nan")
-        data = sorted(self.ttft_s)
-        return data[min(len(data) - 1, int(round(q / 100 * (len(data) - 1))))]
+        return percentile(self.ttft_s, q)
 
     def row(self) -> dict:
         return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,

@@ -31,16 +31,11 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.local_cluster import LocalCluster, load_serve_config  # noqa: E402
-from bench.loadgen import LoadResult, make_prompts, run_load  # noqa: E402
+from bench.loadgen import LoadResult, make_prompts, percentile, run_load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
 PEERS = {"default": False, "haproxy": True}
-
-
-def percentile(data: list[float], q: float) -> float:
-    data = sorted(data)
-    return data[min(len(data) - 1, int(round(q / 100 * (len(data) - 1))))] if data else float("nan")
 
 
 async def short_requests(base_url: str, n: int, concurrency: int) -> dict:

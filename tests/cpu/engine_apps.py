@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import json
 import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,9 +42,7 @@ def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env:
 
 def deployment_details(cluster: LocalCluster, deployment: str) -> dict:
     """Serve's view of one deployment (status, config, replicas with their states), from the dashboard's REST API."""
-    with urllib.request.urlopen(cluster.dashboard_url + "/api/serve/applications/", timeout=30) as r:
-        details = json.load(r)
-    return details["applications"][APP]["deployments"][deployment]
+    return cluster.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"][deployment]
 
 
 def running_replicas(cluster: LocalCluster, deployment: str) -> list[str]:
