@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 # The session app serves a longer context than the shipped YAML's 2,048: the abort test needs streams that
 # run for tens of seconds on a fast tiny model, longer than a disconnect takes to reach the engine on a
-# loaded box. Other apps made from this model set their own (smaller) max_model_len.
+# loaded box (so does test_haproxy.py's). Other apps made from this model set their own max_model_len.
 MAX_MODEL_LEN = 8192
 
 
