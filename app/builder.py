@@ -14,6 +14,7 @@ from app.placement import DEFAULT_GPUS_PER_NODE, placement_deployment_options, p
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.routers import request_router_options
+from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
 
 logger = logging.getLogger("ray.serve")
 
@@ -26,12 +27,15 @@ def replica_resources(model: ModelConfig) -> dict[str, Any]:
     """
     d = model.deployment
     num_cpus = d.num_cpus if d.num_cpus is not None else (0.5 if model.accelerator == "cpu" else 1.0)
-    if model.accelerator == "cpu" or model.tensor_parallel_size * model.pipeline_parallel_size == 1:
-        gpus = {"num_gpus": 1} if model.accelerator == "gpu" else {}
-        return {"ray_actor_options": {"num_cpus": num_cpus, **gpus}}
+    if model.accelerator == "cpu":
+        return {"ray_actor_options": {"num_cpus": num_cpus}}
+    # Serve merges these env_vars into the application's; the engine's processes inherit them.
+    actor = {"num_cpus": num_cpus, "runtime_env": {"env_vars": dict(NO_NVLINK_MULTICAST_ENV)}}
+    if model.tensor_parallel_size * model.pipeline_parallel_size == 1:
+        return {"ray_actor_options": {**actor, "num_gpus": 1}}
     plan = plan_placement(model.tensor_parallel_size, model.pipeline_parallel_size, "gpu",
                           model.gpus_per_node or DEFAULT_GPUS_PER_NODE, model.allow_cross_node_tp, num_cpus)
-    return {"ray_actor_options": {"num_cpus": num_cpus}, **placement_deployment_options(plan)}
+    return {"ray_actor_options": actor, **placement_deployment_options(plan)}
 
 
 def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:

@@ -157,12 +157,18 @@ class ModelConfig(_Strict):
         return expand_env(self.source, env)
 
     def engine_args(self) -> dict[str, Any]:
-        """engine_kwargs plus the parallel sizes; TP x PP on GPUs runs on vLLM's Ray executor in the replica's group."""
-        kwargs = {**self.engine_kwargs, "tensor_parallel_size": self.tensor_parallel_size,
-                  "pipeline_parallel_size": self.pipeline_parallel_size}
-        if self.accelerator == "gpu" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            kwargs.setdefault("distributed_executor_backend", "ray")
-        return kwargs
+        """What vLLM is started with (the adapter adds the parallel sizes, executor and GPU safety settings)."""
+        from deployments.vllm_adapter import engine_kwargs
+
+        return engine_kwargs(self.engine_kwargs, self.accelerator, self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @model_validator(mode="after")
+    def _gpu_engine_kwargs_safe(self) -> ModelConfig:
+        if self.accelerator == "gpu":
+            from deployments.vllm_adapter import check_gpu_engine_kwargs
+
+            check_gpu_engine_kwargs(self.engine_kwargs)
+        return self
 
     @model_validator(mode="after")
     def _autoscaling_consistent(self) -> ModelConfig:
@@ -171,7 +177,9 @@ class ModelConfig(_Strict):
 
     @property
     def max_num_seqs(self) -> int:
-        return int(self.engine_kwargs.get("max_num_seqs") or 256)
+        from deployments.vllm_adapter import DEFAULT_MAX_NUM_SEQS
+
+        return int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
 
     @property
     def max_ongoing_requests(self) -> int:

@@ -24,6 +24,54 @@ RESERVED_ENGINE_KEYS = {
 }
 
 
+# vLLM's own default batch size (`--max-num-seqs`), which Summit's deployment defaults are derived from.
+DEFAULT_MAX_NUM_SEQS = 256
+
+# NVLink multicast memory must never be used: on a shared GPU host it can take the host's GPUs out of service.
+# NCCL (NVLS), torch's symmetric memory and NVSHMEM each have a switch; vLLM's own users of multicast are its
+# torch-symm-mem all-reduce and FlashInfer's all-reduce, whose "auto" backend picks "mnnvl" (a multicast workspace)
+# — as a standalone all-reduce (default on in vLLM 0.32) and in the all-reduce + RMSNorm fusion pass (on by default
+# for TP > 1 on Hopper/Blackwell since 0.26). Every GPU engine gets these in its replica's environment; vLLM's Ray
+# executor copies VLLM_* and NCCL_* to its workers itself, and the last variable names the other two for it.
+NO_NVLINK_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+    "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",  # never "mnnvl", should a FlashInfer all-reduce run after all
+    "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "TORCH_SYMM_MEM_DISABLE_MULTICAST,NVSHMEM_DISABLE_NVLS",
+}
+# ... and the fusion pass is switched off in the engine's compilation config (PassConfig field, 0.26 and 0.32).
+_ALLREDUCE_FUSION = "fuse_allreduce_rms"
+
+
+def engine_kwargs(given: dict[str, Any], accelerator: str, tensor_parallel_size: int,
+                  pipeline_parallel_size: int) -> dict[str, Any]:
+    """The engine arguments Summit hands vLLM for a model: the YAML's `engine_kwargs` plus the parallel sizes; TP x PP
+    on GPUs runs on vLLM's Ray executor in the replica's placement group; GPU engines never fuse all-reduce through
+    FlashInfer (see NO_NVLINK_MULTICAST_ENV)."""
+    kwargs = {**given, "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+    if accelerator != "gpu":
+        return kwargs
+    if tensor_parallel_size * pipeline_parallel_size > 1:
+        kwargs.setdefault("distributed_executor_backend", "ray")
+    compilation = dict(kwargs.get("compilation_config") or {})
+    compilation["pass_config"] = {**(compilation.get("pass_config") or {}), _ALLREDUCE_FUSION: False}
+    kwargs["compilation_config"] = compilation
+    return kwargs
+
+
+def check_gpu_engine_kwargs(given: dict[str, Any]) -> None:
+    """Refuse engine settings that would put NVLink multicast to use (the key named)."""
+    compilation = given.get("compilation_config") or {}
+    if not isinstance(compilation, dict):
+        raise ValueError("engine_kwargs.compilation_config must be a mapping (e.g. `{mode: 3}`)")
+    if (compilation.get("pass_config") or {}).get(_ALLREDUCE_FUSION):
+        raise ValueError(f"engine_kwargs.compilation_config.pass_config.{_ALLREDUCE_FUSION}: Summit keeps FlashInfer's "
+                         "all-reduce fusion off on GPUs (its 'mnnvl' backend uses NVLink multicast memory); remove the key")
+
+
 def vllm_version() -> str:
     import vllm
 

@@ -102,7 +102,7 @@ def test_gpu_tp_pp_gets_a_placement_group_and_the_ray_executor():
     m = ModelConfig.model_validate(model(accelerator="gpu", tensor_parallel_size=8, pipeline_parallel_size=2,
                                          gpus_per_node=8))
     opts = llm_deployment_options(m)
-    assert opts["ray_actor_options"] == {"num_cpus": 1.0}  # the replica actor holds no GPU itself
+    assert opts["ray_actor_options"]["num_cpus"] == 1.0 and "num_gpus" not in opts["ray_actor_options"]  # no GPU itself
     assert len(opts["placement_group_bundles"]) == 16 and opts["placement_group_strategy"] == "PACK"
     assert opts["placement_group_bundles"][0]["CPU"] > opts["placement_group_bundles"][1]["CPU"]
     assert m.engine_args()["distributed_executor_backend"] == "ray"
@@ -111,6 +111,36 @@ def test_gpu_tp_pp_gets_a_placement_group_and_the_ray_executor():
     assert "distributed_executor_backend" not in single.engine_args()
     cpu = ModelConfig.model_validate(model(tensor_parallel_size=2))
     assert "distributed_executor_backend" not in cpu.engine_args()  # vLLM's CPU platform refuses Ray's
+
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2, "gpus_per_node": 2},
+                                    {"tensor_parallel_size": 8, "pipeline_parallel_size": 2}])
+def test_gpu_engines_never_use_nvlink_multicast(layout):
+    m = ModelConfig.model_validate(model(accelerator="gpu", engine_kwargs={"compilation_config": {"mode": 3}}, **layout))
+    env = llm_deployment_options(m)["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert MULTICAST_OFF.items() <= env.items()
+    # vLLM's FlashInfer all-reduce (standalone or fused with RMSNorm) would auto-select its multicast "mnnvl" backend
+    assert env["VLLM_ALLREDUCE_USE_FLASHINFER"] == "0" and env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    assert env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] != "mnnvl"
+    # vLLM's Ray executor copies VLLM_* / NCCL_* to its workers by itself, the other two only when named
+    assert set(env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"].split(",")) == {"TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"}
+    compilation = m.engine_args()["compilation_config"]
+    assert compilation == {"mode": 3, "pass_config": {"fuse_allreduce_rms": False}}  # the user's keys kept
+
+
+def test_gpu_engine_kwargs_that_enable_the_allreduce_fusion_are_refused():
+    text = error_text({"models": [model(accelerator="gpu", engine_kwargs={
+        "compilation_config": {"pass_config": {"fuse_allreduce_rms": True}}})]})
+    assert "engine_kwargs.compilation_config.pass_config.fuse_allreduce_rms" in text and "multicast" in text
+
+
+def test_cpu_engines_get_no_gpu_settings():
+    m = ModelConfig.model_validate(model())
+    assert "runtime_env" not in llm_deployment_options(m)["ray_actor_options"]
+    assert "compilation_config" not in m.engine_args()
 
 
 class _FakeRay:
