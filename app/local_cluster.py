@@ -116,7 +116,7 @@ class LocalCluster:
 
     def add_worker(self, node_ip: str, num_cpus: float, num_gpus: int = 0, env: dict[str, str] | None = None,
                    prefix: list[str] | None = None, timeout_s: float = 120) -> None:
-        """Join a worker node (e.g. inside a network namespace: `prefix=["ip", "netns", "exec", NS]`)."""
+        """Join a worker node (e.g. inside a network namespace: `prefix=NetnsHost.exec_prefix`)."""
         log = open(self.temp_dir / f"ray-worker-{len(self.workers)}.log", "wb")
         cmd = [*(prefix or []), "ray", "start", "--block", "--address", self.address, "--node-ip-address", node_ip,
                "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--disable-usage-stats"]

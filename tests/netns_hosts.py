@@ -3,6 +3,9 @@
 Two Ray nodes that share an address do not look like two nodes to vLLM's Ray executor (it groups workers
 by node IP), so multi-node tests run the worker node in a namespace with an address of its own. Only the
 project's own test addresses (10.251.x.0/24) are used; nothing is routed anywhere else.
+
+Built with pyroute2 (netlink from Python, a test dependency) and util-linux's `nsenter`/`unshare`, not iproute2:
+the GPU host has no `ip` command, and the same code must run there.
 """
 
 from __future__ import annotations
@@ -12,14 +15,24 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+NETNS_DIR = "/run/netns"  # where pyroute2 (like `ip netns`) bind-mounts a named namespace
+
 
 def netns_available() -> bool:
-    if shutil.which("ip") is None or os.geteuid() != 0:
+    """Root, pyroute2, nsenter and unshare, and a namespace can really be made here."""
+    if os.geteuid() != 0 or not (shutil.which("nsenter") and shutil.which("unshare")):
+        return False
+    try:
+        from pyroute2 import netns
+    except ImportError:
         return False
     probe = f"summit-probe-{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ok
+    try:
+        netns.create(probe)
+        netns.remove(probe)
+        return True
+    except Exception:
+        return False
 
 
 @dataclass
@@ -48,25 +61,31 @@ class NetnsHost:
         """Run a command on this host: its own network namespace, and its own PID namespace, so that a Ray
         driver started there (vLLM's engine core calls `ray.init()`) finds only this host's raylet in `ps` and
         joins this node; seeing the head's raylet too, Ray would attach it to the head node."""
-        return ["ip", "netns", "exec", self.name, "unshare", "--pid", "--fork", "--mount-proc"]
+        return ["nsenter", f"--net={NETNS_DIR}/{self.name}", "unshare", "--pid", "--fork", "--mount-proc"]
 
     def up(self) -> NetnsHost:
-        ns, a, b = self.name, self.root_if, self.host_if
-        # A run killed before down() leaves its veth pair (same names): remove it, or `ip link add` fails.
-        subprocess.run(["ip", "link", "del", a], capture_output=True)
-        for cmd in (
-            f"ip netns add {ns}",
-            f"ip link add {a} type veth peer name {b}",
-            f"ip link set {b} netns {ns}",
-            f"ip addr add {self.root_ip}/24 dev {a}",
-            f"ip link set {a} up",
-            f"ip -n {ns} addr add {self.host_ip}/24 dev {b}",
-            f"ip -n {ns} link set {b} up",
-            f"ip -n {ns} link set lo up",
-        ):
-            subprocess.run(cmd.split(), check=True, capture_output=True)
+        from pyroute2 import IPRoute, NetNS, netns
+
+        self.down()  # a run killed before down() leaves its veth pair (same names): `link add` would fail
+        netns.create(self.name)
+        with IPRoute() as ip:
+            ip.link("add", ifname=self.root_if, kind="veth", peer=self.host_if)
+            ip.link("set", index=ip.link_lookup(ifname=self.host_if)[0], net_ns_fd=self.name)
+            root = ip.link_lookup(ifname=self.root_if)[0]
+            ip.addr("add", index=root, address=self.root_ip, prefixlen=24)
+            ip.link("set", index=root, state="up")
+        with NetNS(self.name) as ns:
+            host = ns.link_lookup(ifname=self.host_if)[0]
+            ns.addr("add", index=host, address=self.host_ip, prefixlen=24)
+            ns.link("set", index=host, state="up")
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
         return self
 
     def down(self) -> None:
-        subprocess.run(["ip", "link", "del", self.root_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+        from pyroute2 import IPRoute, netns
+
+        with IPRoute() as ip:
+            for index in ip.link_lookup(ifname=self.root_if):
+                ip.link("del", index=index)  # removes its peer in the namespace too
+        if self.name in netns.listnetns():
+            netns.remove(self.name)

@@ -24,12 +24,12 @@ import pytest
 
 from app.local_cluster import DeployFailed, LocalCluster, load_serve_config
 from tests.cpu.engine_apps import REPO
+from tests.engine_checks import RAY_WORKERS
 from tests.netns_hosts import NetnsHost, netns_available
 
-pytestmark = pytest.mark.skipif(not netns_available(), reason="needs root and `ip netns` for a second host")
+pytestmark = pytest.mark.skipif(not netns_available(), reason="needs root, pyroute2 and nsenter for a second host")
 
 MODEL = "tiny-pp2"
-RAY_WORKERS = {"RayWorkerProc", "RayWorkerWrapper"}  # vLLM's Ray worker actor: 0.32 (RayExecutorV2) / 0.26
 PLATFORM = {"SUMMIT_VLLM_CPU_RAY": "1"}
 
 

@@ -11,15 +11,13 @@ when it regresses, not only the GPU host.
 from __future__ import annotations
 
 import openai
-import psutil
 import pytest
 
 from app.local_cluster import LocalCluster, load_serve_config
-from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
 from tests.cpu.engine_apps import REPO
+from tests.engine_checks import assert_multicast_off, engine_processes, replica_actors, vllm_workers
 
 MODEL = "tiny-tp2"
-RAY_WORKERS = {"RayWorkerProc", "RayWorkerWrapper"}  # vLLM's Ray worker actor: 0.32 (RayExecutorV2) / 0.26
 PLATFORM = {"SUMMIT_VLLM_CPU_RAY": "1"}
 
 
@@ -53,10 +51,9 @@ def test_a_tp2_replica_answers_from_two_workers_in_its_placement_group(tp2_app):
                                                  max_tokens=8, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens == 8
 
-    actors = tp2_app.alive_actors()
-    (replica,) = [a for a in actors if a["class_name"] == f"ServeReplica:summit:LLMServer:{MODEL}"]
-    workers = [a for a in actors if a["class_name"] in RAY_WORKERS]
-    assert len(workers) == 2, [a["class_name"] for a in actors]
+    (replica,) = replica_actors(tp2_app, MODEL)
+    workers = vllm_workers(tp2_app)
+    assert len(workers) == 2, workers
     assert {w["placement_group_id"] for w in workers} == {replica["placement_group_id"]}
     (group,) = [g for g in tp2_app.placement_groups() if g["placement_group_id"] == replica["placement_group_id"]]
     assert [b["unit_resources"].get("GPU") for b in group["bundles"]] == [1, 1]  # one worker slot per rank
@@ -66,20 +63,6 @@ def test_a_tp2_replica_answers_from_two_workers_in_its_placement_group(tp2_app):
 def test_every_engine_process_runs_with_nvlink_multicast_off(tp2_app):
     """The replica, its engine core and both Ray workers (one per rank) see the multicast-off environment, and
     the engine's own config has FlashInfer's all-reduce fusion off."""
-    actors = tp2_app.alive_actors()
-    (replica,) = [a for a in actors if a["class_name"] == f"ServeReplica:summit:LLMServer:{MODEL}"]
-    replica_proc = psutil.Process(replica["pid"])
-    processes = [replica_proc, *replica_proc.children(recursive=True)]
-    processes += [psutil.Process(a["pid"]) for a in actors if a["class_name"] in RAY_WORKERS]
-    assert len(processes) >= 4, processes  # replica, engine core, two workers
-    for proc in processes:
-        env = proc.environ()
-        missing = {k: env.get(k) for k, v in NO_NVLINK_MULTICAST_ENV.items() if env.get(k) != v}
-        assert not missing, f"{proc.pid} {proc.cmdline()[:3]}: {missing}"
-
-    logs = sorted((tp2_app.temp_dir / "session_latest" / "logs").glob(f"worker-*-{replica['pid']}.*"))
-    engine_config = [line for f in logs for line in f.read_text(errors="replace").splitlines()
-                     if "Initializing a V1 LLM engine" in line]
-    assert engine_config, f"no engine config line in {[f.name for f in logs]}"
-    assert "'fuse_allreduce_rms': False" in engine_config[0], engine_config[0][-2000:]
-    assert not any("mnnvl" in f.read_text(errors="replace") for f in logs)
+    (replica,) = replica_actors(tp2_app, MODEL)
+    assert len(engine_processes(tp2_app, replica)) >= 4  # replica, engine core, two workers
+    assert_multicast_off(tp2_app, replica)

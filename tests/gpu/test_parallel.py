@@ -1,27 +1,27 @@
-"""Tensor parallel through Summit's placement group, and pipeline parallel across two Ray nodes.
+"""One model across two GPUs: TP=2 and PP=2 in one replica's placement group, PP=2 across two Ray nodes, and two
+TP=1 replicas on distinct GPUs behind the router.
 
-Needs 2 GPUs. The PP test starts a second cluster whose worker node lives in a network namespace with its own
-address (tests/netns_hosts.py), one GPU per node, and checks that vLLM's Ray workers themselves run on both nodes.
+Needs 2 GPUs. The cross-node test starts a second cluster whose worker node lives in a network namespace with its
+own address (tests/netns_hosts.py: pyroute2 + nsenter, no iproute2 needed), one GPU per node, and checks that vLLM's
+Ray workers themselves run on both nodes. Every multi-GPU engine is checked for NVLink multicast being off
+(environment of every engine process, FlashInfer all-reduce fusion off in the engine config, no "mnnvl" in its logs).
 """
 
 from __future__ import annotations
 
+import subprocess
+
 import openai
+import psutil
 import pytest
 import torch
 
 from app.local_cluster import LocalCluster
+from tests.engine_checks import assert_multicast_off, replica_actors, vllm_workers
 from tests.gpu.conftest import app_config, tiny_gpu_model
 from tests.netns_hosts import NetnsHost, netns_available
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-
-
-RAY_WORKERS = {"RayWorkerWrapper", "RayWorkerProc"}  # vLLM's Ray worker actor: 0.26 / 0.32 (RayExecutorV2)
-
-
-def vllm_workers(cluster: LocalCluster) -> list[dict]:
-    return [a for a in cluster.alive_actors() if a["class_name"] in RAY_WORKERS]
 
 
 def answer(base_url: str) -> openai.types.Completion:
@@ -30,17 +30,53 @@ def answer(base_url: str) -> openai.types.Completion:
                                      extra_body={"ignore_eos": True})
 
 
-def test_tensor_parallel_2_in_one_placement_group(summit, model_dirs):
-    summit.serve_deploy(app_config([tiny_gpu_model(model_dirs, tensor_parallel_size=2)]), timeout_s=900)
-    r = answer(summit.base_url)
+def check_one_replica_on_two_workers(cluster: LocalCluster) -> None:
+    r = answer(cluster.base_url)
     assert r.usage.completion_tokens == 16 and len(r.choices[0].logprobs.tokens) == 16
-    workers = vllm_workers(summit)
+    (replica,) = replica_actors(cluster, "tiny-llama")
+    workers = vllm_workers(cluster)
     assert len(workers) == 2, [w["class_name"] for w in workers]
-    assert len({w["placement_group_id"] for w in workers}) == 1  # both in the replica's placement group
-    summit.serve_shutdown()
+    assert {w["placement_group_id"] for w in workers} == {replica["placement_group_id"]}  # the replica's group
+    assert_multicast_off(cluster, replica)
 
 
-@pytest.mark.skipif(not netns_available(), reason="needs root and `ip netns`")
+def test_tensor_parallel_2_in_one_placement_group(summit, model_dirs):
+    summit.serve_deploy(app_config([tiny_gpu_model(model_dirs, tensor_parallel_size=2, gpus_per_node=2)]),
+                        timeout_s=900)
+    check_one_replica_on_two_workers(summit)
+
+
+def test_pipeline_parallel_2_on_one_node(summit, model_dirs):
+    summit.serve_deploy(app_config([tiny_gpu_model(model_dirs, pipeline_parallel_size=2, gpus_per_node=2)]),
+                        timeout_s=900)
+    check_one_replica_on_two_workers(summit)
+
+
+def gpu_uuid_of_pids() -> dict[int, str]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True).stdout
+    return {int(pid): uuid.strip() for pid, uuid in (line.split(",") for line in out.splitlines() if line.strip())}
+
+
+def test_two_tp1_replicas_on_distinct_gpus_behind_the_router(summit, model_dirs):
+    model = tiny_gpu_model(model_dirs, deployment={"num_replicas": 2})
+    summit.serve_deploy(app_config([model]), timeout_s=900)
+    client = openai.OpenAI(base_url=summit.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    answered = set()
+    for _ in range(16):
+        raw = client.completions.with_raw_response.create(model="tiny-llama", prompt="Which GPU?", max_tokens=4)
+        answered.add(raw.headers["x-summit-replica"])
+    assert len(answered) == 2, answered  # the router uses both replicas
+    uuids = gpu_uuid_of_pids()
+    gpus = []
+    for replica in replica_actors(summit, "tiny-llama"):
+        tree = [replica["pid"], *(p.pid for p in psutil.Process(replica["pid"]).children(recursive=True))]
+        gpus.append({uuids[pid] for pid in tree if pid in uuids})
+    assert len(gpus) == 2 and all(len(g) == 1 for g in gpus) and gpus[0] != gpus[1], gpus
+    summit.serve_shutdown()  # frees both GPUs for the cross-node test
+
+
+@pytest.mark.skipif(not netns_available(), reason="needs root, pyroute2 and nsenter for a second host")
 def test_pipeline_parallel_2_across_two_nodes(summit, model_dirs):
     summit.serve_shutdown()  # frees both GPUs of the session cluster
     host = NetnsHost(subnet=252).up()
