@@ -120,12 +120,12 @@ def main() -> None:
     for name, rows in runs.items():
         for r in rows:
             s, t = r["short"], r["stream"]
-            print(f"{name:<9}{s['req_s']:>12.1f}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{t['output_tok_s']:>14.1f}"
+            print(f"{name:<9}{s['req_s']:>12.1f}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{t['out_tok_s']:>14.1f}"
                   f"{t['ttft_p50_ms']:>10.1f}{t['ttft_p99_ms']:>10.1f}{s['errors'] + t['errors']:>5}")
     for d, h in zip(runs["default"], runs["haproxy"]):
         print(f"ratio haproxy/default: short req/s {h['short']['req_s'] / d['short']['req_s']:.2f}x, "
               f"latency p50 {h['short']['p50_ms'] / d['short']['p50_ms']:.2f}x; "
-              f"stream tok/s {h['stream']['output_tok_s'] / d['stream']['output_tok_s']:.2f}x, "
+              f"stream tok/s {h['stream']['out_tok_s'] / d['stream']['out_tok_s']:.2f}x, "
               f"TTFT p50 {h['stream']['ttft_p50_ms'] / d['stream']['ttft_p50_ms']:.2f}x")
     if ns.json:
         Path(ns.json).write_text(json.dumps(runs, indent=2))

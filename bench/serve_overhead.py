@@ -2,9 +2,13 @@
 
     python bench/serve_overhead.py                       # tiny model on CPU: 64 requests x 64 tokens at 16
     python bench/serve_overhead.py --model-dir DIR --accelerator gpu --load-format dummy \\
-        --concurrency 1 32 256 --requests 256 --max-tokens 256 --prompt-words 100
+        --concurrency 1 32 256 --requests 256 --max-tokens 256 --prompt-words 100 --client-procs 8
+    # the DP-vs-TP question on 2 GPUs: one engine on both (TP 2) vs two engines (Summit: 2 replicas behind its
+    # router; vLLM: --data-parallel-size 2), each peer in each layout, same load
+    python bench/serve_overhead.py ... --layouts 2x1 1x2
 
 Prints output tok/s and TTFT p50/p99 of both and Summit's ratio to vLLM. Not a test: nothing is asserted.
+`--json FILE` writes `[{peer, concurrency, out_tok_s, ttft_p50_ms, ttft_p99_ms, ...}]`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
-from bench.loadgen import LoadResult, make_prompts, run_load  # noqa: E402
+from bench.loadgen import LoadResult, make_prompts, run_load, run_load_processes  # noqa: E402
+from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV  # noqa: E402
 
 MODEL = "bench-model"
 
@@ -39,7 +44,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
 
 def engine_env(ns: argparse.Namespace) -> dict[str, str]:
     if ns.accelerator != "cpu":
-        return {}
+        return dict(NO_NVLINK_MULTICAST_ENV)  # for vLLM's own server too (Summit's builder sets it for its engines)
     # Ray sets OMP_NUM_THREADS from a replica's num_cpus (0.5 -> 1 thread); vLLM's own server would take every
     # core. Both peers get the same thread count so that the ratio measures the serving path, not the threads.
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(ns.omp_threads)}
@@ -98,15 +103,21 @@ def run_loads(base_url: str, ns: argparse.Namespace) -> list[LoadResult]:
     results = []
     for c in ns.concurrency:
         n = ns.requests if ns.requests_per_stream is None else max(8, c * ns.requests_per_stream)
-        results.append(asyncio.run(run_load(base_url, MODEL, make_prompts(n, ns.prompt_words), c, ns.max_tokens)))
+        prompts = make_prompts(n, ns.prompt_words)
+        results.append(run_load_processes(base_url, MODEL, prompts, c, ns.max_tokens, ns.client_procs))
     return results
 
 
-def bench_vllm(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[LoadResult]]:
+def bench_vllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1) -> tuple[float, list[LoadResult]]:
     port = free_port()
+    flags = {**engine_kwargs(ns), "tensor_parallel_size": tp}
+    if replicas > 1:
+        flags["data_parallel_size"] = replicas
+    if ns.accelerator == "gpu":  # what Summit's adapter sets for every GPU engine (no FlashInfer mnnvl all-reduce)
+        flags["compilation_config"] = json.dumps({"pass_config": {"fuse_allreduce_rms": False}})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", MODEL, "--host", LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log",
-           *cli_flags({**engine_kwargs(ns), "tensor_parallel_size": ns.tp})]
+           *cli_flags(flags)]
     log = open(Path(tempfile.gettempdir()) / f"bench-vllm-{port}.log", "wb")
     proc = subprocess.Popen(cmd, env=loopback_env(engine_env(ns)), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -118,10 +129,11 @@ def bench_vllm(ns: argparse.Namespace, model_dir: str) -> tuple[float, list[Load
         proc.wait(60)
 
 
-def bench_summit(ns: argparse.Namespace, model_dir: str, haproxy: bool = False) -> tuple[float, list[LoadResult]]:
-    model = {"name": MODEL, "source": model_dir, "accelerator": ns.accelerator, "tensor_parallel_size": ns.tp,
-             "engine_kwargs": engine_kwargs(ns), "stream_coalesce_ms": ns.coalesce_ms,
-             "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1}}
+def bench_summit(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1,
+                 haproxy: bool = False) -> tuple[float, list[LoadResult]]:
+    model = {"name": MODEL, "source": model_dir, "accelerator": ns.accelerator, "tensor_parallel_size": tp,
+             "gpus_per_node": max(tp, 1), "engine_kwargs": engine_kwargs(ns), "stream_coalesce_ms": ns.coalesce_ms,
+             "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas}}
     config = {"proxy_location": "HeadOnly", "applications": [{
         "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
         "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
@@ -142,7 +154,9 @@ def main() -> None:
     p.add_argument("--model-dir", help="model or config dir (default: make the tiny model)")
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--load-format", default=None, help="e.g. dummy (random weights for a config-only dir)")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--layouts", nargs="+", default=["1x1"],
+                   help="TPxREPLICAS per run, e.g. 2x1 1x2 (vLLM: --tensor-parallel-size TP --data-parallel-size REPLICAS)")
+    p.add_argument("--client-procs", type=int, default=1, help="client processes sharing each load level")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--requests-per-stream", type=int, default=None,
                    help="requests = max(8, concurrency x this) at each level (instead of --requests)")
@@ -174,24 +188,28 @@ def main() -> None:
         bw = copy_bandwidth_gbs()
         bound = hbm_bound_tok_s(model_dir, bw)
         print(f"copy bandwidth {bw:.0f} GB/s; single-stream HBM bound {bound:.1f} tok/s", flush=True)
+    layouts = [tuple(int(x) for x in layout.split("x")) for layout in ns.layouts]
     peers = {"vllm": bench_vllm, "summit": bench_summit,
-             "summit-haproxy": lambda ns, model_dir: bench_summit(ns, model_dir, haproxy=True)}
+             "summit-haproxy": lambda ns, model_dir, tp, r: bench_summit(ns, model_dir, tp, r, haproxy=True)}
     wanted = {"vllm", "summit"} | ({"summit-haproxy"} if ns.haproxy else set())
     results: dict[str, tuple[float, list[LoadResult]]] = {}
-    for name, fn in peers.items():
-        if name in wanted and ns.only in (None, name):
-            results[name] = fn(ns, model_dir)
-            print(f"{name}: ready in {results[name][0]:.1f} s", flush=True)
+    for tp, replicas in layouts:
+        suffix = "" if (tp, replicas) == (1, 1) else f" tp{tp}x{replicas}"
+        for name, fn in peers.items():
+            if name in wanted and ns.only in (None, name):
+                results[name + suffix] = fn(ns, model_dir, tp, replicas)
+                print(f"{name + suffix}: ready in {results[name + suffix][0]:.1f} s", flush=True)
 
-    print(f"\n{'peer':<16}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}")
+    print(f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}")
     for name, (_, rows) in results.items():
         for r in rows:
-            print(f"{name:<16}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
+            print(f"{name:<22}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
                   f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}")
-    if "vllm" in results:
-        for name in [n for n in results if n != "vllm"]:
-            for v, s in zip(results["vllm"][1], results[name][1]):
-                print(f"ratio {name}/vllm at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
+    for name in results:
+        base = "vllm" + name[len(name.split(" ")[0]):]  # the vLLM run of the same layout
+        if name != base and base in results:
+            for v, s in zip(results[base][1], results[name][1]):
+                print(f"ratio {name}/{base} at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
                       f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x")
     if bound:
         for name, (_, rows) in results.items():
@@ -199,8 +217,9 @@ def main() -> None:
                 if r.concurrency == 1:
                     print(f"{name} single stream: {r.tok_per_s:.1f} tok/s = {r.tok_per_s / bound:.0%} of the HBM bound")
     if ns.json:
-        Path(ns.json).write_text(json.dumps({n: {"ready_s": r[0], "rows": [x.row() for x in r[1]]}
-                                             for n, r in results.items()}, indent=2))
+        rows = [{"peer": name, "ready_s": round(ready, 1), **x.row()} for name, (ready, loads) in results.items()
+                for x in loads]
+        Path(ns.json).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
