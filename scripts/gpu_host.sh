@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The multi-GPU runs on the offline GPU host (2 GPUs), one step per call (each must end inside 10 minutes):
+#   bash scripts/gpu_host.sh layers   # which layer breaks: plain vLLM TP=2 (mp), then vLLM's Ray executor in a
+#                                     # placement group made outside Serve (bench/gpu_layers.py)
+#   bash scripts/gpu_host.sh tests    # python3 -m pytest tests/gpu -rA (TP=2, PP=2, PP=2 across two Ray nodes,
+#                                     # two TP=1 replicas, OpenAI checks, 8B shapes)
+#   bash scripts/gpu_host.sh bench    # 8B shapes (dummy weights): TP 2 x 1 vs TP 1 x 2, Summit vs vLLM, 1/32/256
+# Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
+# the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
+# if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+step=${1:?usage: gpu_host.sh layers|tests|bench}
+out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
+# shellcheck source=/dev/null
+. /tmp/kit/kit.sh env
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl/*.whl
+  export PYTHONPATH=/tmp/site-extra:$PYTHONPATH
+fi
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# NVLink multicast stays off in this shell too (the kit sets the first three; Summit sets all of them per engine).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+       VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_ALLREDUCE_USE_FLASHINFER=0 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm
+
+model8b=/tmp/summit-llama8b
+[ -f $model8b/config.json ] || python3 -m app.cli make-model-config llama-3.1-8b $model8b >/dev/null
+
+case "$step" in
+layers)
+  nvidia-smi topo -m | tee "$out/topo.txt"
+  python3 bench/gpu_layers.py "$model8b" --tp 2 2>&1 | tee "$out/layers.log" ;;
+tests)
+  python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
+  grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
+bench)
+  python3 bench/serve_overhead.py --model-dir "$model8b" --accelerator gpu --load-format dummy \
+    --concurrency 1 32 256 --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
+    --max-model-len 4096 --layouts 2x1 1x2 --client-procs 8 --json "$out/gpu-$(date +%F).json" 2>&1 \
+    | tee "$out/gpu-$(date +%F).log" ;;
+*) echo "unknown step $step"; exit 2 ;;
+esac
