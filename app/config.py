@@ -246,6 +246,3 @@ class SummitConfig(_Strict):
         if dupes:
             raise ValueError(f"models[].name must be unique; repeated: {', '.join(dupes)}")
         return self
-
-    def model(self, name: str) -> ModelConfig:
-        return next(m for m in self.models if m.name == name)

@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.local_cluster import LocalCluster, load_serve_config  # noqa: E402
+from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
 from bench.loadgen import LoadResult, make_prompts, percentile, run_load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,8 +32,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.local_cluster import LocalCluster, load_serve_config  # noqa: E402
-from app.replica_probe import probe  # noqa: E402
+from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
+from tests.replica_probe import probe  # noqa: E402
 from bench.loadgen import LoadResult, stream_completion  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
+from tests.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
 from bench.loadgen import LoadResult, make_prompts, run_load, run_load_processes  # noqa: E402
 from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV  # noqa: E402
 

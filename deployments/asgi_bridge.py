@@ -11,6 +11,7 @@ abort the engine request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class ResponseStart:
 
 
 _DONE = object()
+logger = logging.getLogger("ray.serve")
 
 
 async def stream_asgi(app, request: HTTPRequest, coalesce_s: float = 0.0) -> AsyncIterator[ResponseStart | bytes]:
@@ -89,8 +91,10 @@ async def stream_asgi(app, request: HTTPRequest, coalesce_s: float = 0.0) -> Asy
             task.cancel()
             try:
                 await task
-            except BaseException:  # the app's own cancellation; the consumer is gone
+            except asyncio.CancelledError:  # the app's own cancellation; the consumer is gone
                 pass
+            except Exception:  # nobody is left to answer, but the error must not vanish
+                logger.exception("the ASGI app failed while its request was being cancelled")
 
 
 async def _responses(queue: asyncio.Queue, coalesce_s: float) -> AsyncIterator[ResponseStart | bytes]:

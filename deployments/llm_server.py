@@ -28,7 +28,6 @@ class LLMServer:
     """One replica = one AsyncLLM + vLLM's OpenAI FastAPI app bound to it (no subprocess, no extra port)."""
 
     async def __init__(self, model: ModelConfig, source: str):
-        self._model = model
         self._replica_id = _replica_id()
         with _serve_log_file_kept():
             args = vllm_adapter.serve_namespace(source, model.name, model.engine_args(), model.frontend_kwargs)

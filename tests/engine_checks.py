@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 
-from app.local_cluster import LocalCluster
+from tests.local_cluster import LocalCluster
 from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
 
 RAY_WORKERS = {"RayWorkerProc", "RayWorkerWrapper"}  # vLLM's Ray worker actor: 0.32 (RayExecutorV2) / 0.26

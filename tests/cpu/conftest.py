@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.local_cluster import LocalCluster, load_serve_config
+from tests.local_cluster import LocalCluster, load_serve_config
 from app.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.local_cluster import LocalCluster, load_serve_config
+from tests.local_cluster import LocalCluster, load_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 APP = "summit"

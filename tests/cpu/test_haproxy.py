@@ -12,8 +12,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from app.local_cluster import LocalCluster, load_serve_config
-from app.replica_probe import probe
+from tests.local_cluster import LocalCluster, load_serve_config
+from tests.replica_probe import probe
 from tests.cpu.conftest import MAX_MODEL_LEN
 from tests.cpu.engine_apps import APP, REPO, wait_for
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from app.local_cluster import DeployFailed, LocalCluster, load_serve_config
+from tests.local_cluster import DeployFailed, LocalCluster, load_serve_config
 from tests.cpu.engine_apps import REPO
 from tests.engine_checks import RAY_WORKERS
 from tests.netns_hosts import NetnsHost, netns_available

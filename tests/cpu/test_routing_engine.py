@@ -6,7 +6,7 @@
 - Both: /v1/models lists the two models; an unknown model is a 404 naming them.
 
 The replica that answered is the `x-summit-replica` header. Engine counters are read through Serve handles by
-`app.replica_probe` in a subprocess (this process may already be the Ray driver of the suite's session cluster).
+`tests.replica_probe` in a subprocess (this process may already be the Ray driver of the suite's session cluster).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from app.replica_probe import probe
+from tests.replica_probe import probe
 from app.tiny_model import _WORDS, make_tiny_model
 from tests.cpu.engine_apps import APP, deployed, running_replicas, tiny_model, wait_for
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from app.local_cluster import LocalCluster, load_serve_config
+from tests.local_cluster import LocalCluster, load_serve_config
 from tests.cpu.engine_apps import REPO
 from tests.engine_checks import assert_multicast_off, engine_processes, replica_actors, vllm_workers
 

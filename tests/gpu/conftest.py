@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.local_cluster import LocalCluster
+from tests.local_cluster import LocalCluster
 from app.tiny_model import make_model_config, make_tiny_model
 
 

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from app.local_cluster import LocalCluster
+from tests.local_cluster import LocalCluster
 from tests.engine_checks import assert_multicast_off, replica_actors, vllm_workers
 from tests.gpu.conftest import app_config, tiny_gpu_model
 from tests.netns_hosts import NetnsHost, netns_available

@@ -63,3 +63,24 @@ def test_error_bodies_become_openai_shaped():
     wrapped = json.loads(openai_error_bytes(405, b'{"detail": "Method Not Allowed"}'))
     assert wrapped == {"error": {"message": "Method Not Allowed", "type": "MethodNotAllowed", "param": None, "code": 405}}
     assert json.loads(openai_error_bytes(500, b"oops"))["error"]["message"] == "oops"
+
+
+def test_an_app_error_during_cancellation_is_logged_not_swallowed(caplog):
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise RuntimeError("cleanup failed") from None
+
+    async def consume_one():
+        stream = stream_asgi(app, HTTPRequest("POST", "/x", b""))
+        assert isinstance(await stream.__anext__(), ResponseStart)
+        assert await stream.__anext__() == b"first"
+        await stream.aclose()  # the consumer goes away: the app is cancelled and fails while cancelling
+
+    with caplog.at_level("ERROR", logger="ray.serve"):
+        asyncio.run(consume_one())
+    assert any("cancelled" in r.getMessage() and "cleanup failed" in (r.exc_text or str(r.exc_info)) for r in caplog.records)

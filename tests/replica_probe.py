@@ -8,8 +8,8 @@ them by load alone: on idle replicas that is a coin toss per call.
 Tests and benchmarks run it as a subprocess (`probe(address, ...)`): one Python process can be the Ray driver
 of one cluster only, and the CPU suite's session cluster may hold the test process's.
 
-    python -m app.replica_probe --address 127.0.0.1:6379 each summit LLMServer:tiny prefix_cache_stats --replicas 2
-    python -m app.replica_probe --address 127.0.0.1:6379 kill summit LLMServer:tiny REPLICA_ID
+    python -m tests.replica_probe --address 127.0.0.1:6379 each summit LLMServer:tiny prefix_cache_stats --replicas 2
+    python -m tests.replica_probe --address 127.0.0.1:6379 kill summit LLMServer:tiny REPLICA_ID
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.local_cluster import loopback_env
+from tests.local_cluster import loopback_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def kill_replica(app_name: str, deployment: str, replica_id: str) -> str:
 
 def probe(address: str, *args: str, timeout_s: float = 180) -> Any:
     """Run this module as a subprocess driver of the cluster at `address`; returns its JSON answer."""
-    out = subprocess.run([sys.executable, "-m", "app.replica_probe", "--address", address, *args], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "tests.replica_probe", "--address", address, *args], cwd=REPO,
                          env=loopback_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"replica_probe {' '.join(args)} failed ({out.returncode}): {out.stderr[-2000:]}")
