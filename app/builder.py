@@ -9,65 +9,13 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from app.config import ModelConfig, SummitConfig
-from app.placement import DEFAULT_GPUS_PER_NODE, placement_deployment_options, plan_placement, unplaceable
+from app.config import SummitConfig
+from app.deployment_options import ingress_deployment_options, llm_deployment_options, replica_bundles
+from app.placement import unplaceable
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
-from deployments.routers import request_router_options
-from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
 
 logger = logging.getLogger("ray.serve")
-
-
-def replica_resources(model: ModelConfig) -> dict[str, Any]:
-    """One GPU (or CPUs) for a single-worker engine; a placement group (app/placement.py) for TP x PP on GPUs.
-
-    With a placement group the replica actor takes only CPUs in bundle 0, and vLLM's Ray executor puts one
-    worker on each GPU bundle of the replica's group.
-    """
-    d = model.deployment
-    num_cpus = d.num_cpus if d.num_cpus is not None else (0.5 if model.accelerator == "cpu" else 1.0)
-    if model.accelerator == "cpu":
-        return {"ray_actor_options": {"num_cpus": num_cpus}}
-    # Serve merges these env_vars into the application's; the engine's processes inherit them.
-    actor = {"num_cpus": num_cpus, "runtime_env": {"env_vars": dict(NO_NVLINK_MULTICAST_ENV)}}
-    if model.tensor_parallel_size * model.pipeline_parallel_size == 1:
-        return {"ray_actor_options": {**actor, "num_gpus": 1}}
-    plan = plan_placement(model.tensor_parallel_size, model.pipeline_parallel_size, "gpu",
-                          model.gpus_per_node or DEFAULT_GPUS_PER_NODE, model.allow_cross_node_tp, num_cpus)
-    return {"ray_actor_options": actor, **placement_deployment_options(plan)}
-
-
-def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
-    """Serve options of one model's engine deployment (pure: no Ray calls)."""
-    d = model.deployment
-    options: dict[str, Any] = {
-        "name": f"LLMServer:{model.name}",
-        "max_ongoing_requests": model.max_ongoing_requests,
-        "max_queued_requests": d.max_queued_requests,
-        # The ingress's handle raises BackPressureError carrying these; the ingress answers with them.
-        "backpressure_config": {"status_code": d.overload_status_code, "retry_after_s": d.retry_after_s},
-        "health_check_period_s": d.health_check_period_s,
-        "health_check_timeout_s": d.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
-        **replica_resources(model),
-    }
-    autoscaling = model.serve_autoscaling_config()
-    if autoscaling is not None:
-        options["autoscaling_config"] = autoscaling
-    else:
-        options["num_replicas"] = d.num_replicas
-    # least_load adds nothing (Serve's default router); the affinity policies name their router and its kwargs.
-    options.update(request_router_options(model.routing.policy, **model.routing.model_dump(exclude={"policy"})))
-    return options
-
-
-def replica_bundles(options: dict[str, Any]) -> tuple[list[dict[str, float]], str]:
-    """What one replica of a deployment asks Ray for: its placement group, or its actor as one bundle."""
-    if "placement_group_bundles" in options:
-        return options["placement_group_bundles"], options["placement_group_strategy"]
-    actor = options["ray_actor_options"]
-    return [{"CPU": actor.get("num_cpus", 1.0), "GPU": actor.get("num_gpus", 0.0)}], "STRICT_PACK"
 
 
 def wait_until_placeable(options: dict[str, dict[str, Any]], wait_s: float, poll_s: float = 5.0) -> None:
@@ -105,10 +53,5 @@ def build_app(args: dict[str, Any]) -> Application:
         m.name: serve.deployment(LLMServer).options(**options[m.name]).bind(m, m.resolved_source())
         for m in config.models
     }
-    ingress = serve.deployment(OpenAIIngress).options(
-        name="OpenAIIngress",
-        num_replicas=config.ingress.num_replicas,
-        max_ongoing_requests=config.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.ingress.num_cpus},
-    )
+    ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))
     return ingress.bind(servers)

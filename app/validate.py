@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from app import planner
+from app import deployment_options, planner
 from app.config import ModelConfig, SummitConfig
-from app.placement import PlacementPlan, plan_placement
+from app.placement import PlacementPlan
 
 BUILDER = "app.builder:build_app"
 FP8_METHODS = {"fp8", "fbgemm_fp8", "modelopt", "ptpc_fp8", "fp8_e4m3", "fp8_e5m2"}
@@ -97,20 +97,11 @@ def kv_dtype(m: ModelConfig, weights: str) -> str:
     return "fp32" if weights == "fp32" and kv == "auto" else "bf16"
 
 
-def replicas(m: ModelConfig) -> int:
-    auto = m.deployment.autoscaling_config
-    if auto is None:
-        return m.deployment.num_replicas
-    return max(1, int(auto.get("initial_replicas") or auto.get("min_replicas") or 1))
-
-
 def replica_placement(m: ModelConfig, hw: Hardware) -> PlacementPlan:
     if m.gpus_per_node is not None and m.gpus_per_node != hw.gpus_per_node:
         raise ValueError(f"gpus_per_node={m.gpus_per_node} in the YAML but the cluster checked has {hw.gpus_per_node}. "
                          f"Fix: validate with --gpus-per-node {m.gpus_per_node}, or change the model's `gpus_per_node`")
-    num_cpus = m.deployment.num_cpus if m.deployment.num_cpus is not None else (0.5 if m.accelerator == "cpu" else 1.0)
-    return plan_placement(m.tensor_parallel_size, m.pipeline_parallel_size, m.accelerator, hw.gpus_per_node,
-                          m.allow_cross_node_tp, num_cpus)
+    return deployment_options.replica_placement(m, hw.gpus_per_node)
 
 
 def check_memory(m: ModelConfig, hw: Hardware, env: dict[str, str]) -> tuple[str, str | None]:
@@ -178,10 +169,10 @@ def validate_doc(doc: dict, hw: Hardware, env: dict[str, str] | None = None) -> 
             except ValueError as e:
                 report.problems.append(str(e))
                 continue
-            report.lines.append(f"{line}; {replicas(m)} × {plan.num_gpus} GPUs, {plan.strategy}")
+            report.lines.append(f"{line}; {deployment_options.initial_replicas(m)} × {plan.num_gpus} GPUs, {plan.strategy}")
             if problem:
                 report.problems.append(problem)
-            demands += [(m.name, plan)] * replicas(m)
+            demands += [(m.name, plan)] * deployment_options.initial_replicas(m)
     if not report.lines and not report.problems:
         report.problems.append(f"no application with import_path {BUILDER}")
     problem = check_cluster(demands, hw) if demands else None

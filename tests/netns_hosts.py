@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 
 NETNS_DIR = "/run/netns"  # where pyroute2 (like `ip netns`) bind-mounts a named namespace

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from app.autoscaling import autoscaling_config, default_target_ongoing_requests
-from app.builder import llm_deployment_options
+from app.deployment_options import llm_deployment_options
 from app.config import ModelConfig, SummitConfig
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from app.builder import llm_deployment_options
+from app.deployment_options import llm_deployment_options
 from app.config import ModelConfig, SummitConfig, expand_env
 
 
@@ -159,7 +159,8 @@ class _FakeRay:
 def test_build_refuses_a_model_the_cluster_cannot_place_naming_model_and_resource(monkeypatch):
     import sys
 
-    from app.builder import replica_bundles, wait_until_placeable
+    from app.builder import wait_until_placeable
+    from app.deployment_options import replica_bundles
 
     big = ModelConfig.model_validate(model(name="big", accelerator="gpu", tensor_parallel_size=8, pipeline_parallel_size=2))
     small = ModelConfig.model_validate(model(name="small", accelerator="gpu"))

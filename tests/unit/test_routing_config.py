@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from app import routing
-from app.builder import llm_deployment_options
+from app.deployment_options import llm_deployment_options
 from app.config import ModelConfig, RoutingOptions, SummitConfig
 
 
