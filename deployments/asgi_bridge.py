@@ -14,48 +14,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-
-@dataclass
-class HTTPRequest:
-    """What the ingress forwards to a model replica: enough to rebuild the ASGI scope."""
-
-    method: str
-    path: str
-    body: bytes = b""
-    query_string: bytes = b""
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-
-    def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
-        return next((v for k, v in self.headers if k.lower() == name), default)
-
-    def scope(self) -> dict:
-        return {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": self.method,
-            "scheme": "http",
-            "path": self.path,
-            "raw_path": self.path.encode(),
-            "root_path": "",
-            "query_string": self.query_string,
-            "headers": self.headers,
-            "client": ("127.0.0.1", 0),
-            "server": ("127.0.0.1", 80),
-            "state": {},
-        }
-
-
-@dataclass
-class ResponseStart:
-    status: int
-    headers: list[tuple[bytes, bytes]]
-
-    def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
-        return next((v for k, v in self.headers if k.lower() == name), default)
-
+from deployments.protocol import HTTPRequest, ResponseStart
 
 _DONE = object()
 logger = logging.getLogger("ray.serve")

@@ -23,7 +23,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.asgi_bridge import HTTPRequest, ResponseStart
+from deployments.protocol import HTTPRequest, ResponseStart
 from deployments.errors import error_response, openai_error_bytes, sse_error_event
 
 logger = logging.getLogger("ray.serve")

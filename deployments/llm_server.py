@@ -13,7 +13,8 @@ from ray import serve
 
 from app.config import ModelConfig
 from deployments import vllm_adapter
-from deployments.asgi_bridge import HTTPRequest, ResponseStart, stream_asgi
+from deployments.asgi_bridge import stream_asgi
+from deployments.protocol import HTTPRequest, ResponseStart
 
 logger = logging.getLogger("ray.serve")
 

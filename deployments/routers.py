@@ -24,7 +24,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app import routing
-from deployments.asgi_bridge import HTTPRequest
+from deployments.protocol import HTTPRequest
 
 logger = logging.getLogger("ray.serve")
 

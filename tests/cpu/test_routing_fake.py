@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.asgi_bridge import HTTPRequest
+from deployments.protocol import HTTPRequest
 from deployments.routers import request_router_options
 
 REPO = Path(__file__).resolve().parents[2]

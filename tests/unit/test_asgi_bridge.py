@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from deployments.asgi_bridge import HTTPRequest, ResponseStart, stream_asgi
+from deployments.asgi_bridge import stream_asgi
+from deployments.protocol import HTTPRequest, ResponseStart
 from deployments.errors import openai_error_bytes
 
 

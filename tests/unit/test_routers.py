@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from deployments.asgi_bridge import HTTPRequest
+from deployments.protocol import HTTPRequest
 from deployments.routers import PrefixAffinityRouter, SessionAffinityRouter, request_router_options
 
 DEPLOYMENT = DeploymentID(name="LLMServer:fake", app_name="summit")
