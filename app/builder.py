@@ -12,6 +12,7 @@ from ray.serve import Application
 from app.config import SummitConfig
 from app.deployment_options import ingress_deployment_options, llm_deployment_options, replica_bundles
 from app.placement import unplaceable
+from deployments.auth import load_api_keys
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 
@@ -53,5 +54,7 @@ def build_app(args: dict[str, Any]) -> Application:
         m.name: serve.deployment(LLMServer).options(**options[m.name]).bind(m, m.resolved_source())
         for m in config.models
     }
+    if config.auth is not None:  # fail the deploy now, naming the key, rather than each ingress replica's start
+        load_api_keys(config.auth.api_keys_env, config.auth.api_keys_file)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))
-    return ingress.bind(servers)
+    return ingress.bind(servers, config.auth)

@@ -227,11 +227,26 @@ class IngressOptions(_Strict):
     max_ongoing_requests: int = Field(2048, ge=1, description="Requests one ingress replica handles at once.")
 
 
+class AuthOptions(_Strict):
+    """API keys required on every OpenAI route (`Authorization: Bearer KEY`; `/health` stays open)."""
+
+    api_keys_env: str | None = Field(
+        None, description="Environment variable holding the keys (comma-separated), read where the ingress runs.")
+    api_keys_file: str | None = Field(None, description="File holding the keys, one a line (e.g. a mounted secret).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AuthOptions:
+        if (self.api_keys_env is None) == (self.api_keys_file is None):
+            raise ValueError("auth: give exactly one of `api_keys_env` (an env var name) or `api_keys_file` (a path)")
+        return self
+
+
 class SummitConfig(_Strict):
     """Root of the Serve YAML's `args:` for `app.builder:build_app`."""
 
     models: list[ModelConfig] = Field(min_length=1, description="The models this application serves.")
     ingress: IngressOptions = Field(default_factory=IngressOptions, description="The OpenAI HTTP ingress.")
+    auth: AuthOptions | None = Field(None, description="API keys for the OpenAI routes; off when absent.")
     placement_wait_s: float = Field(
         1800.0, ge=-1, description="How long building the app waits for the Ray cluster to have nodes that can hold one "
         "replica of every model (its placement group, or its actor's CPUs/GPU) before the deploy fails naming the missing "

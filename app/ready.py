@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
@@ -23,9 +24,13 @@ def base_url(config_path: str | Path) -> str:
 
 def engines_answering(url: str, timeout_s: float = 2.0) -> list[str] | None:
     """The served model names once every model's engine answers `/v1/models` (vLLM's entries carry
-    `max_model_len`; the ingress lists a model it cannot reach without it), else None."""
+    `max_model_len`; the ingress lists a model it cannot reach without it), else None. With API keys on, the key
+    is taken from OPENAI_API_KEY, as the OpenAI clients take it."""
+    request = urllib.request.Request(f"{url}/v1/models")
+    if os.environ.get("OPENAI_API_KEY"):
+        request.add_header("Authorization", f"Bearer {os.environ['OPENAI_API_KEY']}")
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             data = json.load(response)["data"]
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -17,14 +17,17 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.config import AuthOptions
+from deployments.auth import authorized, load_api_keys, unauthorized
 from deployments.errors import error_response, openai_error_bytes
 from deployments.model_names import BadModel, model_for
 from deployments.protocol import HTTPRequest, ResponseStart
 from deployments.replica_stream import ModelUnavailable, ReplicaStream, first_response, rest_of_body
 
 REQUEST_ID_HEADER = "x-request-id"
-# Headers the ingress sets itself or that describe the hop, not the payload.
-_DROP_REQUEST_HEADERS = {b"host", b"content-length", b"content-type", b"x-request-id", b"transfer-encoding", b"connection"}
+# Headers the ingress sets itself or that describe the hop, not the payload; the API key stays at the ingress.
+_DROP_REQUEST_HEADERS = {b"authorization", b"host", b"content-length", b"content-type", b"x-request-id",
+                         b"transfer-encoding", b"connection"}
 _DROP_RESPONSE_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"date", b"server", b"x-request-id"}
 
 
@@ -47,16 +50,25 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, servers: dict[str, DeploymentHandle]):
+    def __init__(self, servers: dict[str, DeploymentHandle], auth: AuthOptions | None = None):
         self._servers = servers
+        self._keys = load_api_keys(auth.api_keys_env, auth.api_keys_file) if auth else None
+
+    def _denied(self, request: Request) -> Response | None:
+        """The 401 for a request without a valid API key, when keys are configured."""
+        if self._keys is None or authorized(request.headers.get("authorization"), self._keys):
+            return None
+        return unauthorized(request.headers.get("authorization"))
 
     @api.get("/health")
     async def health(self) -> Response:
         return Response(status_code=200)
 
     @api.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> Response:
         """Every model's own /v1/models answer (vLLM's, with max_model_len), merged into one list."""
+        if denied := self._denied(request):
+            return denied
         data = []
         for name in self._servers:
             try:
@@ -86,6 +98,8 @@ class OpenAIIngress:
         return await self._forward(request)
 
     async def _forward(self, request: Request) -> Response:
+        if denied := self._denied(request):
+            return denied
         # Serve's proxy answers with the client's x-request-id (or its own); the engine gets it plus a
         # unique suffix, so a client that reuses an id cannot collide inside vLLM.
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
