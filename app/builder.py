@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -10,11 +11,13 @@ from ray import serve
 from ray.serve import Application
 
 from app.config import SummitConfig
-from app.deployment_options import ingress_deployment_options, llm_deployment_options, replica_bundles
+from app.deployment_options import (engine_pool_options, ingress_deployment_options, llm_deployment_options,
+                                    pool_problem, replica_bundles, route_picker_options)
 from app.placement import unplaceable
 from deployments.auth import load_api_keys
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
+from deployments.route_picker import RoutePicker
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,17 +47,47 @@ def wait_until_placeable(options: dict[str, dict[str, Any]], wait_s: float, poll
         time.sleep(min(poll_s, max(0.05, deadline - time.monotonic())))
 
 
+def request_path(config: SummitConfig, haproxy: bool) -> tuple[str, str]:
+    """("direct" | "hops", why): the path the YAML's `ingress.path` and the cluster allow; raises for a `direct` that
+    cannot be."""
+    if config.ingress.path == "hops":
+        return "hops", "ingress.path is hops"
+    problem = None if haproxy else "RAY_SERVE_ENABLE_HA_PROXY is not 1 where Serve runs"
+    problem = problem or pool_problem(config.models)
+    if problem is None:
+        return "direct", "HAProxy -> engine replica"
+    if config.ingress.path == "direct":
+        raise ValueError(f"ingress.path: direct is not possible: {problem}. Fix: set ingress.path: auto (or hops), or "
+                         "remove the difference (start Ray with RAY_SERVE_ENABLE_HA_PROXY=1; give the models the same "
+                         "deployment/parallel settings and no autoscaling)")
+    return "hops", problem
+
+
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate the YAML args once, check the cluster can hold the models, then bind one engine deployment per model
-    behind one ingress."""
+    """Validate the YAML args once, check the cluster can hold the models, then bind the request path:
+    direct (the engine deployment is the HTTP ingress behind HAProxy, a route picker chooses each request's replica)
+    where it can be, else one engine deployment per model behind the OpenAIIngress (two hops)."""
     config = SummitConfig.model_validate(args)
     options = {m.name: llm_deployment_options(m) for m in config.models}
     wait_until_placeable(options, config.placement_wait_s)
+    if config.auth is not None:  # fail the deploy now, naming the key, rather than each replica's start
+        load_api_keys(config.auth.api_keys_env, config.auth.api_keys_file)
+    path, why = request_path(config, haproxy_enabled())
+    logger.info("Summit request path: %s (%s)", path, why)
+    if path == "direct":
+        models = [(m, m.resolved_source()) for m in config.models]
+        engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(config.models))
+        engines_app = engines.bind(models, config.auth)
+        picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines_app)
+        return engines_app._with_ingress_request_router(picker)
     servers = {
-        m.name: serve.deployment(LLMServer).options(**options[m.name]).bind(m, m.resolved_source())
+        m.name: serve.deployment(LLMServer).options(**options[m.name]).bind([(m, m.resolved_source())])
         for m in config.models
     }
-    if config.auth is not None:  # fail the deploy now, naming the key, rather than each ingress replica's start
-        load_api_keys(config.auth.api_keys_env, config.auth.api_keys_file)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))
     return ingress.bind(servers, config.auth)
+
+
+def haproxy_enabled() -> bool:
+    """Whether Serve runs HAProxy in front (read as Serve reads it, in this process's environment)."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == "1"

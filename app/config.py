@@ -222,7 +222,12 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
 
 
 class IngressOptions(_Strict):
-    num_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
+    path: Literal["auto", "direct", "hops"] = Field(
+        "auto", description="Request path. direct: HAProxy sends each request to the replica that owns the engine "
+        "(needs RAY_SERVE_ENABLE_HA_PROXY=1 and models of one shape); hops: Serve's proxy -> OpenAIIngress -> model "
+        "replica; auto: direct where it can be, else hops (the log says why).")
+    num_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment (of the ingress request "
+                              "router on the direct path).")
     num_cpus: float = Field(0.1, ge=0, description="CPUs of one ingress replica.")
     max_ongoing_requests: int = Field(2048, ge=1, description="Requests one ingress replica handles at once.")
 

@@ -14,6 +14,19 @@ from deployments.routers import request_router_options
 from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
 
 
+# Where Ray starts (every node: Serve reads these in its controller, HAProxy manager and replicas), for the direct path.
+DIRECT_PATH_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # HAProxy sends the request body to the route picker, which reads `model` (and the prompt, for prefix affinity)
+    "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+    # ... up to this size (HAProxy's buffer per stream; Serve's default, 8 MiB, costs 16 MiB a connection). A longer
+    # body reaches the route picker cut: any replica takes it and hands it to its model's replica (one Ray hop).
+    "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(256 * 1024),
+    # vLLM's app runs on the replica's own event loop, not a second one with a thread hop per streamed chunk
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+}
+
+
 def replica_num_cpus(model: ModelConfig) -> float:
     """CPUs of the replica actor: the YAML's, else 0.5 beside a CPU engine and 1 beside a GPU engine."""
     d = model.deployment
@@ -51,7 +64,7 @@ def replica_resources(model: ModelConfig) -> dict[str, Any]:
     return {"ray_actor_options": actor, **placement_deployment_options(replica_placement(model))}
 
 
-def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
+def llm_deployment_options(model: ModelConfig, models_per_deployment: int = 1) -> dict[str, Any]:
     """Serve options of one model's engine deployment (pure: no Ray calls)."""
     d = model.deployment
     options: dict[str, Any] = {
@@ -70,9 +83,61 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = d.num_replicas
-    # least_load adds nothing (Serve's default router); the affinity policies name their router and its kwargs.
-    options.update(request_router_options(model.routing.policy, **model.routing.model_dump(exclude={"policy"})))
+    # least_load on one model adds nothing (Serve's default router); the other cases name a Summit router and its kwargs.
+    options.update(request_router_options(model.routing.policy, models_per_deployment=models_per_deployment,
+                                          **model.routing.model_dump(exclude={"policy"})))
     return options
+
+
+# Options a model's own choice may set differently from another model's in one engine deployment.
+_PER_MODEL_OPTIONS = {"name", "num_replicas"}
+
+
+def pool_problem(models: list[ModelConfig]) -> str | None:
+    """Why these models cannot share one engine deployment (one model a replica), or None when they can.
+
+    Serve gives every replica of a deployment the same resources, placement, router and autoscaling, so the models
+    must agree on all of them; autoscaling would scale the models together, so a shared deployment has none."""
+    if len(models) == 1:
+        return None
+    if any(m.deployment.autoscaling_config is not None for m in models):
+        return "autoscaling_config is set (replicas of one deployment scale together, not per model)"
+    first = _shape(models[0])
+    for m in models[1:]:
+        differ = sorted(k for k in set(first) | set(_shape(m)) if first.get(k) != _shape(m).get(k))
+        if differ:
+            return (f"models {models[0].name!r} and {m.name!r} differ in {', '.join(differ)} (one deployment gives "
+                    "every replica the same)")
+    return None
+
+
+def _shape(model: ModelConfig) -> dict[str, Any]:
+    return {k: v for k, v in llm_deployment_options(model, 2).items() if k not in _PER_MODEL_OPTIONS}
+
+
+def engine_pool_options(models: list[ModelConfig]) -> dict[str, Any]:
+    """Serve options of the engine deployment hosting `models` (one model a replica; `pool_problem` must be None)."""
+    options = llm_deployment_options(models[0], len(models))
+    if len(models) > 1:
+        options["name"] = "LLMServer:" + "+".join(m.name for m in models)
+        options["num_replicas"] = sum(m.deployment.num_replicas for m in models)
+    return options
+
+
+def pool_model_index(rank: int, replicas_per_model: list[int]) -> int:
+    """Which model a replica of rank `rank` serves: ranks 0..n0-1 the first model, the next n1 the second, ..."""
+    rank %= max(1, sum(replicas_per_model))
+    for index, count in enumerate(replicas_per_model):
+        if rank < count:
+            return index
+        rank -= count
+    return 0
+
+
+def route_picker_options(ingress: IngressOptions) -> dict[str, Any]:
+    """The direct path's ingress request router (HAProxy asks it which replica takes each POST)."""
+    return {"name": "RoutePicker", "num_replicas": ingress.num_replicas,
+            "max_ongoing_requests": ingress.max_ongoing_requests, "ray_actor_options": {"num_cpus": ingress.num_cpus}}
 
 
 def replica_bundles(options: dict[str, Any]) -> tuple[list[dict[str, float]], str]:

@@ -1,4 +1,5 @@
-"""The OpenAI HTTP ingress: thin routes that pick a model's deployment handle and pass the response through.
+"""The two-hop path's OpenAI HTTP ingress: thin routes that pick a model's deployment handle and pass the response
+through (the direct path has none: see deployments/front.py and route_picker.py).
 
 vLLM's own OpenAI app (in the model replica) parses and validates requests; the ingress only reads
 `model` from the body, forwards the request unchanged, streams SSE through unbuffered and makes every
@@ -100,8 +101,8 @@ class OpenAIIngress:
     async def _forward(self, request: Request) -> Response:
         if denied := self._denied(request):
             return denied
-        # Serve's proxy answers with the client's x-request-id (or its own); the engine gets it plus a
-        # unique suffix, so a client that reuses an id cannot collide inside vLLM.
+        # Serve's proxy answers with the client's x-request-id (or its own); the replica's front gives the engine
+        # that id plus a unique suffix.
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         body = await request.body()
         try:
@@ -109,7 +110,7 @@ class OpenAIIngress:
         except BadModel as e:
             return error_response(e.status, str(e), param=e.param)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _DROP_REQUEST_HEADERS]
-        headers += [(b"content-type", b"application/json"), (b"x-request-id", f"{request_id}-{uuid.uuid4().hex[:8]}".encode())]
+        headers += [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
         forwarded = HTTPRequest("POST", request.url.path, body, request.url.query.encode(), headers)
         try:
             stream = self._servers[name].options(stream=True).handle_http.remote(forwarded)

@@ -1,4 +1,10 @@
-"""The engine deployment: each replica owns one vLLM AsyncLLM and runs vLLM's own OpenAI app on it, in-process."""
+"""The engine deployment: each replica owns one vLLM AsyncLLM and runs vLLM's own OpenAI app on it, in-process.
+
+On the direct path the deployment is the application's HTTP ingress (`serve.ingress()` with the app built here,
+`__serve_build_asgi_app__`): HAProxy sends each request to the replica's own port. A deployment may then host
+several models of one shape, one per replica (`models`, the replica's rank picks which); the replica reports its
+model in `record_routing_stats` for the routers. On the two-hop path the OpenAIIngress calls `handle_http`.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +17,15 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from app.config import ModelConfig
+from app.config import AuthOptions, ModelConfig
+from app.deployment_options import pool_model_index
 from deployments import vllm_adapter
 from deployments.asgi_bridge import stream_asgi
+from deployments.auth import load_api_keys
+from deployments.front import ReplicaFront
 from deployments.protocol import HTTPRequest, ResponseStart
 
 logger = logging.getLogger("ray.serve")
-
-REPLICA_HEADER = b"x-summit-replica"
 
 
 class EngineUnavailable(RuntimeError):
@@ -28,13 +35,39 @@ class EngineUnavailable(RuntimeError):
 class LLMServer:
     """One replica = one AsyncLLM + vLLM's OpenAI FastAPI app bound to it (no subprocess, no extra port)."""
 
-    async def __init__(self, model: ModelConfig, source: str):
+    async def __init__(self, models: list[tuple[ModelConfig, str]], auth: AuthOptions | None = None):
+        """`models`: (config, resolved source) of each model this deployment hosts, one per replica; `auth`: the API
+        keys when this deployment is the HTTP entry (direct path)."""
         self._replica_id = _replica_id()
+        model, source = models[pool_model_index(_replica_rank(), [m.deployment.num_replicas for m, _ in models])]
+        self.model = model.name
         with _serve_log_file_kept():
             args = vllm_adapter.serve_namespace(source, model.name, model.engine_args(), model.frontend_kwargs)
             logger.info("Starting vLLM %s for %s from %s", vllm_adapter.vllm_version(), model.name, source)
             self._engine_app = await vllm_adapter.start_engine_app(args)
         self._coalesce_s = model.stream_coalesce_ms / 1000.0
+        keys = load_api_keys(auth.api_keys_env, auth.api_keys_file) if auth else None
+        self._front = ReplicaFront(
+            self._engine_app.app, model.name, [m.name for m, _ in models], keys,
+            lambda: vllm_adapter.engine_is_dead(self._engine_app.engine), self._replica_id,
+            {m.name: _model_card(m, src) for m, src in models}, self._forward if len(models) > 1 else None)
+        self._own_handle = None
+
+    def _forward(self, request: HTTPRequest):
+        """A Serve response stream for another model's request, from one of that model's replicas (same deployment:
+        its router keeps to `request.model`)."""
+        if self._own_handle is None:
+            context = serve.get_replica_context()
+            self._own_handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        return self._own_handle.options(stream=True).handle_http.remote(request)
+
+    async def __serve_build_asgi_app__(self):
+        """The direct path's HTTP app (Serve calls this after __init__ when the deployment is the ingress)."""
+        return self._front
+
+    def record_routing_stats(self) -> dict:
+        """What Summit's routers read per replica: the model it serves (a deployment may host several)."""
+        return {"model": self.model}
 
     async def handle_http(self, request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
         """Run one HTTP request through vLLM's app; yields a ResponseStart, then body chunks."""
@@ -42,11 +75,9 @@ class LLMServer:
             # Serve's health check will replace this replica; the ingress turns this into a 503.
             raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} is dead")
         try:
-            async for item in stream_asgi(self._engine_app.app, request, self._coalesce_s):
-                if isinstance(item, ResponseStart):
-                    if item.status >= 500 and vllm_adapter.engine_is_dead(self._engine_app.engine):
-                        raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} died during the request")
-                    item.headers.append((REPLICA_HEADER, self._replica_id.encode()))
+            async for item in stream_asgi(self._front, request, self._coalesce_s):
+                if isinstance(item, ResponseStart) and item.status >= 500 and vllm_adapter.engine_is_dead(self._engine_app.engine):
+                    raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} died during the request")
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
             # stream_asgi cancels vLLM's app for this request, which aborts the engine request
@@ -61,6 +92,7 @@ class LLMServer:
         """What the engine itself reports, for tests and operators."""
         return {
             "replica_id": self._replica_id,
+            "model": self.model,
             "pid": os.getpid(),
             "num_unfinished_requests": vllm_adapter.num_unfinished_requests(self._engine_app.engine),
         }
@@ -98,6 +130,22 @@ def _serve_log_file_kept():
         for handler, target in kept:
             if handler.target is None:
                 handler.setTarget(target)
+
+
+def _model_card(model: ModelConfig, source: str) -> dict:
+    """A model's /v1/models entry as far as the config tells it (its own replica answers with vLLM's)."""
+    card = {"id": model.name, "object": "model", "owned_by": "summit", "root": source}
+    if model.engine_kwargs.get("max_model_len"):
+        card["max_model_len"] = model.engine_kwargs["max_model_len"]
+    return card
+
+
+def _replica_rank() -> int:
+    try:
+        rank = serve.get_replica_context().rank
+    except Exception:  # outside a Serve replica (unit tests)
+        return 0
+    return getattr(rank, "rank", rank) or 0
 
 
 def _replica_id() -> str:

@@ -14,6 +14,8 @@ class HTTPRequest:
     body: bytes = b""
     query_string: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # The model the body names, when the sender has read it (the direct path's route picker): routers keep to it.
+    model: str | None = None
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         return next((v for k, v in self.headers if k.lower() == name), default)

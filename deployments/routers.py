@@ -7,7 +7,8 @@ ingress replicas each learns its own owners, and ties between equally loaded rep
 hash of the key so that they mostly agree.
 
 Policies:
-- `least_load`: Serve's own `PowerOfTwoChoicesRequestRouter` (the default; no option is set).
+- `least_load`: Serve's own `PowerOfTwoChoicesRequestRouter` (the default; no option is set); on a deployment
+  hosting several models, `LeastLoadRouter` (the same choice among the request's model's replicas).
 - `prefix_affinity`: `PrefixAffinityRouter` — same leading prompt block → same replica, unless overloaded.
 - `session_affinity`: `SessionAffinityRouter` — same `x-session-id` (or `user`) → same replica while it lives.
 
@@ -60,19 +61,18 @@ class _AffinityRouter(RequestRouter):
         if pending_request is not None:
             # Without this Serve's retry loop re-asks at once, spinning while every choice is full.
             pending_request.routing_context.should_backoff = True
+        request = _http_request(pending_request)
+        candidate_replicas = same_model(candidate_replicas, request.model if request else None)
+        if not candidate_replicas:  # the model's replicas have not reported yet: Serve asks again after a backoff
+            return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = await self._loads(candidate_replicas)
-        key = self._request_key(pending_request)
+        key = None if request is None else self._key(request, pending_request)
         chosen = routing.power_of_two(loads, self._rng) if key is None else self._decide(key, loads)
         if key is not None and self.strict:
             return [[by_id[chosen]]]
         return [[by_id[chosen]], [r for rid, r in by_id.items() if rid != chosen]]
 
-    def _request_key(self, pending_request: PendingRequest | None) -> str | None:
-        if pending_request is None:
-            return None
-        request = next((a for a in pending_request.args if isinstance(a, HTTPRequest)), None)
-        return None if request is None else self._key(request, pending_request)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Ongoing requests per replica from Serve's queue-length cache; stale entries are probed the way
@@ -109,6 +109,27 @@ class _AffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._table.forget_replicas(rid.unique_id for rid in self._replica_id_set)
+
+
+def _http_request(pending_request: PendingRequest | None) -> HTTPRequest | None:
+    if pending_request is None:
+        return None
+    return next((a for a in pending_request.args if isinstance(a, HTTPRequest)), None)
+
+
+def same_model(replicas: list[RunningReplica], model: str | None) -> list[RunningReplica]:
+    """The replicas serving `model`, where a deployment hosts several models (each replica reports its own in
+    `record_routing_stats`); all of them when the request names none or the deployment hosts one model."""
+    if model is None or not any(r.routing_stats.get("model") for r in replicas):
+        return replicas
+    return [r for r in replicas if r.routing_stats.get("model") == model]
+
+
+class LeastLoadRouter(_AffinityRouter):
+    """Power of two choices among the request's model's replicas (Serve's own router knows nothing of models)."""
+
+    def _key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
+        return None
 
 
 class PrefixAffinityRouter(_AffinityRouter):
@@ -151,29 +172,37 @@ class SessionAffinityRouter(_AffinityRouter):
 
 
 _ROUTERS: dict[str, tuple[type[_AffinityRouter], set[str]]] = {
+    "least_load": (LeastLoadRouter, {"max_tracked"}),
     "prefix_affinity": (PrefixAffinityRouter, {"prefix_chars", "imbalance", "max_tracked"}),
     "session_affinity": (SessionAffinityRouter, {"max_tracked"}),
 }
 _ALL_KWARGS = set().union(*(accepted for _, accepted in _ROUTERS.values()))
 
 
-def request_router_options(policy: str, **kwargs: Any) -> dict[str, Any]:
-    """Deployment options selecting `policy`'s router: `{}` for least_load (Serve's default router), else
-    `{"request_router_config": {"request_router_class": "<module>.<Class>", "request_router_kwargs": {...}}}`.
+# How often a replica's routing stats (the model it serves) reach the routers, where a deployment hosts several models.
+MODEL_STATS_PERIOD_S = 1.0
+
+
+def request_router_options(policy: str, *, models_per_deployment: int = 1, **kwargs: Any) -> dict[str, Any]:
+    """Deployment options selecting `policy`'s router:
+    `{"request_router_config": {"request_router_class": "<module>.<Class>", "request_router_kwargs": {...}}}`, or `{}`
+    for least_load on a one-model deployment (Serve's default router). A deployment hosting several models always
+    gets a Summit router (it keeps each request to its model's replicas) and the replicas' model every second.
 
     Kwargs meant for another policy are dropped (a RoutingOptions model carries them all); unknown ones fail.
     """
     unknown = set(kwargs) - _ALL_KWARGS
     if unknown:
         raise ValueError(f"unknown routing option(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(_ALL_KWARGS))}")
-    if policy == "least_load":
-        return {}
     if policy not in _ROUTERS:
-        raise ValueError(f"unknown routing policy {policy!r}; known: least_load, {', '.join(_ROUTERS)}")
+        raise ValueError(f"unknown routing policy {policy!r}; known: {', '.join(_ROUTERS)}")
+    if policy == "least_load" and models_per_deployment == 1:
+        return {}
     router, accepted = _ROUTERS[policy]
-    return {
-        "request_router_config": {
-            "request_router_class": f"{router.__module__}.{router.__qualname__}",
-            "request_router_kwargs": {k: v for k, v in kwargs.items() if k in accepted},
-        }
+    config: dict[str, Any] = {
+        "request_router_class": f"{router.__module__}.{router.__qualname__}",
+        "request_router_kwargs": {k: v for k, v in kwargs.items() if k in accepted},
     }
+    if models_per_deployment > 1:
+        config["request_routing_stats_period_s"] = MODEL_STATS_PERIOD_S
+    return {"request_router_config": config}

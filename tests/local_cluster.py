@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import yaml
 
+from app.deployment_options import DIRECT_PATH_ENV
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -52,7 +54,7 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
     Keep `state_dir` short: Serve adds a 56-character node id below it and HAProxy refuses socket paths over 97."""
     state_dir.mkdir(parents=True, exist_ok=True)
     return {
-        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        **DIRECT_PATH_ENV,
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(state_dir / "admin.sock"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(state_dir / "metrics.sock"),

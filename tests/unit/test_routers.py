@@ -157,3 +157,24 @@ def test_a_replica_slow_to_answer_the_probe_counts_by_its_load_not_as_full():
         assert (await router._loads([slow]))["slow"] == slow.max_ongoing_requests
 
     asyncio.run(scenario())
+
+
+def test_several_models_in_one_deployment_always_get_a_summit_router_and_model_stats():
+    from deployments.routers import MODEL_STATS_PERIOD_S, request_router_options
+
+    assert request_router_options("least_load") == {}
+    config = request_router_options("least_load", models_per_deployment=2)["request_router_config"]
+    assert config["request_router_class"] == "deployments.routers.LeastLoadRouter"
+    assert config["request_routing_stats_period_s"] == MODEL_STATS_PERIOD_S
+
+
+def test_same_model_keeps_a_request_to_its_models_replicas():
+    from types import SimpleNamespace
+
+    from deployments.routers import same_model
+
+    a, b, unknown = (SimpleNamespace(routing_stats=s) for s in ({"model": "a"}, {"model": "b"}, {}))
+    assert same_model([a, b, unknown], "b") == [b]
+    assert same_model([a, b], None) == [a, b]
+    assert same_model([a, b], "c") == []
+    assert same_model([unknown], "b") == [unknown]  # a one-model deployment reports nothing: every replica

@@ -1,0 +1,228 @@
+"""What every OpenAI request meets in the replica that owns the engine, on both request paths (one module, no drift).
+
+`ReplicaFront` is an ASGI app wrapped around vLLM's own OpenAI app (which parses, validates and answers):
+- on the direct path Serve serves it on the replica's own HTTP port, behind HAProxy, and it is the HTTP entry:
+  API keys, the routes Summit exposes, `/health`, `/v1/models` for every model of the application;
+- on the two-hop path the `OpenAIIngress` did those, and `LLMServer.handle_http` runs this same app per request.
+On both: a request for another of the application's models goes on to one of that model's replicas (through a
+Serve handle: a body cut at HAProxy's buffer size reaches the route picker without its model), the engine gets the client's `x-request-id` plus a unique
+suffix (a reused id cannot collide inside vLLM; Serve answers with the client's id), an error that is not a
+stream comes out OpenAI-shaped, and a dead engine answers 503 + Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from deployments.auth import authorized, unauthorized
+from deployments.errors import error_response, openai_error_bytes
+from deployments.model_names import BadModel, model_for
+from deployments.protocol import HTTPRequest
+from deployments.replica_stream import ModelUnavailable, first_response, replica_failures
+
+logger = logging.getLogger("ray.serve")
+
+REQUEST_ID_HEADER = b"x-request-id"
+REPLICA_HEADER = b"x-summit-replica"
+FORWARDED_HEADER = b"x-summit-forwarded"
+RETRY_AFTER_S = "1"
+# The OpenAI routes Summit serves; vLLM's app has more (metrics, admin) that stay unreachable from outside.
+POST_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+# The API key stops here; hop headers are the server's business.
+_DROP_REQUEST_HEADERS = frozenset({b"authorization", b"x-request-id", b"content-length", b"transfer-encoding",
+                                   FORWARDED_HEADER})
+_DROP_RESPONSE_HEADERS = frozenset({b"x-request-id", b"date", b"server"})
+
+
+class ReplicaFront:
+    def __init__(self, engine_app, model: str, models: Sequence[str], keys: list[bytes] | None,
+                 engine_dead: Callable[[], bool], replica_id: str, model_cards: dict[str, dict] | None = None,
+                 forward: Callable[[HTTPRequest], Any] | None = None):
+        self._app = engine_app
+        # another model's request -> a Serve response stream from one of that model's replicas (its handle_http)
+        self._forward = forward
+        self.model = model
+        self._models = list(models)
+        self._keys = keys
+        self._engine_dead = engine_dead
+        self._replica_id = replica_id.encode()
+        # /v1/models entries of the application's other models (this replica's own comes from vLLM)
+        self._cards = model_cards or {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":  # vLLM's app was started with its engine; nothing to start or stop here
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health":
+            status = 503 if self._engine_dead() else 200
+            await _send_plain(send, status)
+            return
+        headers = scope.get("headers") or []
+        authorization = _header(headers, b"authorization")
+        if self._keys is not None and not authorized(authorization and authorization.decode(), self._keys):
+            await unauthorized(authorization and authorization.decode())(scope, receive, send)
+            return
+        if method == "GET" and path == "/v1/models":
+            await self._list_models(scope, receive, send)
+            return
+        if method != "POST" or path not in POST_ROUTES:
+            status = 405 if path in POST_ROUTES else 404
+            await error_response(status, f"{method} {path} is not served; OpenAI routes: GET /v1/models, "
+                                 f"POST {', '.join(sorted(POST_ROUTES))}")(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        try:
+            name = model_for(body, self._models)
+        except BadModel as e:
+            await error_response(e.status, str(e), param=e.param)(scope, receive, send)
+            return
+        if name != self.model:  # a body cut at HAProxy's buffer, or a stale route: hand it to its model's replica
+            await self._to_other_replica(name, scope, headers, body, receive, send)
+            return
+        if self._engine_dead():
+            await error_response(503, "The model engine of this replica has died; it is being replaced. Retry.",
+                                 headers={"retry-after": RETRY_AFTER_S})(scope, receive, send)
+            return
+        await self._to_engine(scope, headers, body, receive, send)
+
+    async def _to_engine(self, scope, headers, body: bytes, receive, send) -> None:
+        client_id = _header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+        engine_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
+        engine_headers += [(REQUEST_ID_HEADER, client_id + b"-" + uuid.uuid4().hex[:8].encode()),
+                           (b"content-length", str(len(body)).encode())]
+        body_given = False
+
+        async def engine_receive() -> dict:
+            nonlocal body_given
+            if not body_given:
+                body_given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # http.disconnect when the client goes: vLLM aborts the engine request
+
+        error: dict | None = None  # a non-stream error response, buffered to reshape it
+
+        async def engine_send(message: dict) -> None:
+            nonlocal error
+            if message["type"] == "http.response.start":
+                out = [(k, v) for k, v in message.get("headers", []) if k.lower() not in _DROP_RESPONSE_HEADERS]
+                out.append((REPLICA_HEADER, self._replica_id))  # Serve adds the x-request-id it was given
+                message = {**message, "headers": out}
+                if message["status"] >= 400 and not (_header(out, b"content-type") or b"").startswith(b"text/event-stream"):
+                    error = {"start": message, "body": []}
+                    return
+            elif message["type"] == "http.response.body" and error is not None:
+                error["body"].append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                await _send_error(send, error["start"], b"".join(error["body"]))
+                return
+            await send(message)
+
+        await self._app({**scope, "headers": engine_headers}, engine_receive, engine_send)
+
+    async def _to_other_replica(self, name: str, scope, headers, body: bytes, receive, send) -> None:
+        if self._forward is None or _header(headers, FORWARDED_HEADER):  # forwarded once already: no loops
+            await error_response(503, f"this replica serves {self.model!r}, not {name!r}; retry",
+                                 headers={"retry-after": RETRY_AFTER_S})(scope, receive, send)
+            return
+        forwarded = HTTPRequest(scope["method"], scope["path"], body, scope.get("query_string", b""),
+                                [(k, v) for k, v in headers if k.lower() != b"authorization"] + [(FORWARDED_HEADER, b"1")],
+                                model=name)
+        stream = self._forward(forwarded)
+
+        async def cancel_on_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            stream.cancel()  # the client left: abort the engine request there
+
+        watcher = asyncio.create_task(cancel_on_disconnect())
+        try:
+            try:
+                start = await first_response(stream)
+            except ModelUnavailable as e:
+                await error_response(e.status, str(e), headers={"retry-after": e.retry_after})(scope, receive, send)
+                return
+            await send({"type": "http.response.start", "status": start.status, "headers": start.headers})
+            try:
+                with replica_failures():
+                    async for chunk in stream:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except ModelUnavailable as e:
+                logger.warning("forwarded request to %s ended early: %s", name, e)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            stream.cancel()  # a no-op after the end
+
+    async def _list_models(self, scope, receive, send) -> None:
+        """vLLM's own entry for this replica's model (max_model_len, root), then the application's other models."""
+        own: list[dict] = []
+        captured: dict = {"body": []}
+
+        async def capture(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                captured["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                captured["body"].append(message.get("body", b""))
+
+        await self._app({**scope, "headers": [(k, v) for k, v in scope.get("headers") or [] if k != b"authorization"]},
+                        receive, capture)
+        if captured.get("status") == 200:
+            own = json.loads(b"".join(captured["body"]))["data"]
+        data = own + [self._cards.get(m, {"id": m, "object": "model", "owned_by": "summit"})
+                      for m in self._models if m != self.model]
+        await _send_json(send, 200, {"object": "list", "data": data})
+
+
+def _header(headers, name: bytes) -> bytes | None:
+    return next((v for k, v in headers if k.lower() == name), None)
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def _send_error(send, start: dict, body: bytes) -> None:
+    body = openai_error_bytes(start["status"], body)
+    headers = [(k, v) for k, v in start["headers"] if k.lower() not in (b"content-length", b"content-type")]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": start["status"], "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_json(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_plain(send, status: int) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _lifespan(receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,115 @@
+"""Two models of one application on the direct path (Serve's HAProxy -> the engine replica's own HTTP port; the route
+picker chooses each request's replica by the body's model), on the real engine.
+
+One base URL serves both: each answer comes from a replica of the model the body names; nothing sits between
+HAProxy and the engine replicas (no OpenAIIngress; HAProxy's config pins requests to the engine replicas' ports);
+a body longer than HAProxy's routing buffer (its model cut off) is still answered by its model; a client that
+leaves a stream aborts the engine request; a YAML whose models differ in shape falls back to the two-hop path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.cpu.engine_apps import APP, deployed, deployment_details, tiny_model, wait_for
+from tests.replica_probe import probe
+
+MODELS = ["tiny-a", "tiny-b"]
+POOL = "LLMServer:tiny-a+tiny-b"
+# long enough that a stream outlasts the probe of the engine (a subprocess driver: seconds on a loaded box)
+MAX_LEN = 8192
+
+
+@pytest.fixture(scope="module")
+def two_models(tiny_model_dir):
+    with deployed([tiny_model(name, engine_kwargs={"max_model_len": MAX_LEN}) for name in MODELS], tiny_model_dir,
+                  haproxy=True) as cluster:
+        yield cluster
+
+
+def replicas_by_model(cluster) -> dict[str, str]:
+    """{replica_id: model}, as each engine replica reports it (LLMServer.stats through a Serve handle)."""
+    answers = probe(cluster.address, "each", APP, POOL, "stats", "--replicas", "2")
+    return {rid: s["model"] for rid, s in answers.items()}
+
+
+def test_the_engine_replicas_are_the_ingress(two_models):
+    deployments = two_models.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"]
+    assert set(deployments) == {POOL, "RoutePicker"}  # no OpenAIIngress: no Python hop in the request path
+    replicas = deployment_details(two_models, POOL)["replicas"]
+    assert len(replicas) == 2
+
+    def pinned_servers() -> list[str]:
+        """HAProxy's servers that the route picker's answer pins a request to."""
+        config = next((two_models.temp_dir / "h").rglob("haproxy.cfg")).read_text()
+        assert "lua.route_via_ingress_request_router" in config
+        return re.findall(r"use-server (\S+) if \{ var\(txn.ingress_request_router_target\)", config)
+
+    assert wait_for(lambda: len(pinned_servers()) == 2, 30), pinned_servers()
+    assert all(any(r["replica_id"] in s for r in replicas) for s in pinned_servers())
+
+
+def test_one_base_url_serves_both_models_from_their_own_replicas(two_models):
+    owner = replicas_by_model(two_models)
+    assert sorted(owner.values()) == MODELS
+    client = openai.OpenAI(base_url=two_models.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    assert sorted(m.id for m in client.models.list().data) == MODELS
+    for name in MODELS * 3:
+        raw = client.completions.with_raw_response.create(model=name, prompt="hello", max_tokens=4,
+                                                          extra_headers={"x-request-id": f"req-{name}"})
+        assert raw.parse().model == name and raw.headers["x-request-id"] == f"req-{name}"
+        assert owner[raw.headers["x-summit-replica"]] == name
+        with client.chat.completions.with_streaming_response.create(
+                model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True) as stream:
+            chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+            assert owner[stream.headers["x-summit-replica"]] == name
+        assert chunks and {c["model"] for c in chunks} == {name}
+    r = httpx.post(two_models.base_url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and "tiny-a" in r.json()["error"]["message"]
+
+
+def test_a_body_cut_at_the_routing_buffer_is_answered_by_its_model(two_models):
+    owner = replicas_by_model(two_models)
+    # messages first, model last (as the openai client sends them): past 256 KiB HAProxy gives the picker no model
+    long_text = "hello " * 50_000  # 300 KB of JSON, ~50k tokens: vLLM answers its own 400 (context MAX_LEN)
+    for name in MODELS:
+        body = json.dumps({"messages": [{"role": "user", "content": long_text}], "max_tokens": 1, "model": name})
+        r = httpx.post(two_models.base_url + "/v1/chat/completions", content=body,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and str(MAX_LEN) in r.json()["error"]["message"], r.text[:300]
+        assert owner[r.headers["x-summit-replica"]] == name  # vLLM's answer, from an engine of the right model
+        short = httpx.post(two_models.base_url + "/v1/completions", json={"prompt": "x " * 500, "max_tokens": 1,
+                                                                          "model": name}, timeout=60)
+        assert short.status_code == 200 and owner[short.headers["x-summit-replica"]] == name
+
+
+def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
+    def unfinished() -> int:
+        stats = probe(two_models.address, "each", APP, POOL, "stats", "--replicas", "2")
+        return sum(s["num_unfinished_requests"] for s in stats.values())
+
+    with httpx.stream("POST", two_models.base_url + "/v1/completions", timeout=60,
+                      json={"model": "tiny-b", "prompt": "a", "max_tokens": MAX_LEN - 100, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept referenced: a dropped iterator closes the response (the client leaves early)
+        for _ in range(3):
+            next(lines)
+        assert unfinished() == 1
+    assert wait_for(lambda: unfinished() == 0, 60), "the engine went on generating for a client that left"
+
+
+def test_models_of_different_shapes_fall_back_to_two_hops(tiny_model_dir):
+    models = [tiny_model("tiny-a"), tiny_model("tiny-c", deployment={"num_cpus": 0.25})]
+    with deployed(models, tiny_model_dir, haproxy=True) as cluster:
+        deployments = cluster.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"]
+        assert set(deployments) == {"OpenAIIngress", "LLMServer:tiny-a", "LLMServer:tiny-c"}
+        for name in ["tiny-a", "tiny-c"]:
+            r = httpx.post(cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == name

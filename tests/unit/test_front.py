@@ -1,0 +1,121 @@
+"""The replica's front (deployments/front.py) around a fake engine app (`EchoEngineApp`, standing in for vLLM's
+OpenAI app): keys, routes, model check, request ids, error shapes, disconnect passed through. The real engine behind
+it is tested in tests/cpu (test_direct_path.py and the suite on the direct path)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from deployments.front import ReplicaFront
+
+
+class EchoEngineApp:
+    """A fake engine app: echoes what it received; `/v1/models` lists one model; a body {"fail": N} answers N
+    with a FastAPI-style error; {"wait": true} blocks until the client disconnects and records it."""
+
+    def __init__(self):
+        self.seen: list[dict] = []
+        self.disconnected = asyncio.Event()
+
+    async def __call__(self, scope, receive, send):
+        message = await receive()
+        body = message.get("body", b"")
+        self.seen.append({"path": scope["path"], "headers": dict(scope["headers"]), "body": body})
+        if scope["path"] == "/v1/models":
+            out = {"object": "list", "data": [{"id": "a", "object": "model", "max_model_len": 99}]}
+            status = 200
+        else:
+            payload = json.loads(body)
+            if payload.get("wait"):
+                if (await receive())["type"] == "http.disconnect":
+                    self.disconnected.set()
+                return
+            status = payload.get("fail", 200)
+            out = {"detail": "engine says no"} if status >= 400 else {"echo": payload, "headers": len(scope["headers"])}
+        data = json.dumps(out).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"),
+                                                                                 (b"x-request-id", b"engine-own")]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def front(keys=None, dead=False, models=("a", "b")) -> tuple[ReplicaFront, EchoEngineApp]:
+    engine = EchoEngineApp()
+    return ReplicaFront(engine, "a", list(models), keys, lambda: dead, "replica-1",
+                        {"b": {"id": "b", "object": "model", "owned_by": "summit"}}), engine
+
+
+async def call(app, method, path, body=None, headers=None):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+        return await client.request(method, path, json=body, headers=headers or {})
+
+
+def test_model_of_this_replica_reaches_the_engine_with_ids_and_without_the_key():
+    app, engine = front(keys=[b"k1"])
+    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x"},
+                         {"authorization": "Bearer k1", "x-request-id": "client-7"}))
+    assert r.status_code == 200 and r.json()["echo"]["prompt"] == "x"
+    assert "x-request-id" not in r.headers and r.headers["x-summit-replica"] == "replica-1"  # Serve sets it
+    sent = engine.seen[0]["headers"]
+    assert b"authorization" not in sent
+    assert sent[b"x-request-id"].startswith(b"client-7-") and len(sent[b"x-request-id"]) == len(b"client-7-") + 8
+
+
+def test_keys_checked_on_every_route_but_health():
+    app, engine = front(keys=[b"k1"])
+    for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", {"model": "a"}),
+                               ("POST", "/tokenize", {"model": "a"})]:
+        for headers in [{}, {"authorization": "Bearer nope"}]:
+            r = asyncio.run(call(app, method, path, body, headers))
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError" and "nope" not in r.text
+    assert asyncio.run(call(app, "GET", "/health")).status_code == 200
+    assert engine.seen == []
+
+
+def test_models_lists_every_model_of_the_application():
+    app, _ = front()
+    data = asyncio.run(call(app, "GET", "/v1/models")).json()["data"]
+    assert [(m["id"], m.get("max_model_len")) for m in data] == [("a", 99), ("b", None)]
+
+
+def test_bad_requests_get_openai_errors_before_the_engine():
+    app, engine = front()
+    cases = [("POST", "/v1/completions", {"model": "zzz"}, 404), ("POST", "/v1/completions", {"prompt": "x"}, 400),
+             ("POST", "/metrics", {"model": "a"}, 404), ("GET", "/v1/completions", None, 405),
+             ("POST", "/v1/completions", {"model": "b"}, 503)]  # b lives on another replica: a stale route
+    for method, path, body, status in cases:
+        r = asyncio.run(call(app, method, path, body))
+        assert r.status_code == status and set(r.json()["error"]) >= {"message", "type", "code"}, (path, r.text)
+    assert engine.seen == []
+    assert asyncio.run(call(app, "POST", "/v1/completions", {"model": "b"})).headers["retry-after"] == "1"
+
+
+def test_engine_errors_come_out_openai_shaped_and_a_dead_engine_is_503():
+    app, _ = front()
+    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "fail": 422}))
+    assert r.status_code == 422 and r.json()["error"]["message"] == "engine says no"
+    assert int(r.headers["content-length"]) == len(r.content)
+    dead, engine = front(dead=True)
+    r = asyncio.run(call(dead, "POST", "/v1/completions", {"model": "a"}))
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and engine.seen == []
+    assert asyncio.run(call(dead, "GET", "/health")).status_code == 503
+
+
+def test_client_disconnect_reaches_the_engine_app():
+    app, engine = front()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    messages = [{"type": "http.request", "body": json.dumps({"model": "a", "wait": True}).encode(), "more_body": False},
+                {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        raise AssertionError("nothing is sent to a client that left")
+
+    asyncio.run(app(scope, receive, send))
+    assert engine.disconnected.is_set()
