@@ -98,19 +98,30 @@ class ReplicaFront:
         engine_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
         engine_headers += [(REQUEST_ID_HEADER, client_id + b"-" + uuid.uuid4().hex[:8].encode()),
                            (b"content-length", str(len(body)).encode())]
-        body_given = False
+        body_given = answered = False
 
         async def engine_receive() -> dict:
             nonlocal body_given
             if not body_given:
                 body_given = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # http.disconnect when the client goes: vLLM aborts the engine request
+            message = await receive()  # http.disconnect when the client goes: vLLM aborts the engine request
+            if message["type"] == "http.disconnect":
+                log_cancel()
+            return message
+
+        def log_cancel() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True  # once
+                logger.info("request %s cancelled by its caller: aborting it in the engine", client_id.decode())
 
         error: dict | None = None  # a non-stream error response, buffered to reshape it
 
         async def engine_send(message: dict) -> None:
-            nonlocal error
+            nonlocal error, answered
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
             if message["type"] == "http.response.start":
                 out = [(k, v) for k, v in message.get("headers", []) if k.lower() not in _DROP_RESPONSE_HEADERS]
                 out.append((REPLICA_HEADER, self._replica_id))  # Serve adds the x-request-id it was given
@@ -126,7 +137,11 @@ class ReplicaFront:
                 return
             await send(message)
 
-        await self._app({**scope, "headers": engine_headers}, engine_receive, engine_send)
+        try:
+            await self._app({**scope, "headers": engine_headers}, engine_receive, engine_send)
+        except asyncio.CancelledError:  # the two-hop path cancels the app when its caller goes
+            log_cancel()
+            raise
 
     async def _to_other_replica(self, name: str, scope, headers, body: bytes, receive, send) -> None:
         if self._forward is None or _header(headers, FORWARDED_HEADER):  # forwarded once already: no loops

@@ -8,7 +8,6 @@ model in `record_routing_stats` for the routers. On the two-hop path the OpenAII
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import logging.handlers
@@ -74,15 +73,12 @@ class LLMServer:
         if vllm_adapter.engine_is_dead(self._engine_app.engine):
             # Serve's health check will replace this replica; the ingress turns this into a 503.
             raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} is dead")
-        try:
-            async for item in stream_asgi(self._front, request, self._coalesce_s):
-                if isinstance(item, ResponseStart) and item.status >= 500 and vllm_adapter.engine_is_dead(self._engine_app.engine):
-                    raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} died during the request")
-                yield item
-        except (asyncio.CancelledError, GeneratorExit):
-            # stream_asgi cancels vLLM's app for this request, which aborts the engine request
-            logger.info("request %s cancelled by its caller: aborting it in the engine", request.header(b"x-request-id", b"").decode())
-            raise
+        # A caller that goes away cancels this generator: stream_asgi tells vLLM's app (http.disconnect, then
+        # cancellation), which aborts the engine request; the front logs it.
+        async for item in stream_asgi(self._front, request, self._coalesce_s):
+            if isinstance(item, ResponseStart) and item.status >= 500 and vllm_adapter.engine_is_dead(self._engine_app.engine):
+                raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} died during the request")
+            yield item
 
     async def check_health(self) -> None:
         """Serve calls this periodically: a dead engine marks the replica unhealthy and Serve replaces it."""

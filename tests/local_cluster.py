@@ -62,6 +62,8 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        # stats and metrics on loopback (app/haproxy_loopback.py), as scripts/serve.sh runs it
+        "RAY_SERVE_HAPROXY_BINARY_PATH": shutil.which("summit-haproxy") or "",
     }
 
 

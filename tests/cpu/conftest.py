@@ -24,8 +24,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def summit(tiny_model_dir):
-    """The default YAML (serve_configs/tiny-cpu.yaml) deployed with `serve deploy` onto a `ray start --head` cluster."""
-    cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir)})
+    """The default YAML (serve_configs/tiny-cpu.yaml) deployed with `serve deploy` onto a `ray start --head` cluster
+    started as scripts/serve.sh starts it: with Serve's HAProxy, so the app is on the direct path."""
+    cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir)}, haproxy=True)
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
     model = config["applications"][0]["args"]["models"][0]
     # Faster failure detection for the dead-engine test and a longer context (above); everything else is the shipped YAML.
