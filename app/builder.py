@@ -78,6 +78,8 @@ def build_app(args: dict[str, Any]) -> Application:
         models = [(m, m.resolved_source()) for m in config.models]
         engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(config.models))
         engines_app = engines.bind(models, config.auth)
+        if len(models) == 1 and config.models[0].routing.policy == "least_load":
+            return engines_app  # HAProxy's own choice (leastconn) is least-load: no routing call per request
         picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines_app)
         return engines_app._with_ingress_request_router(picker)
     servers = {

@@ -7,7 +7,9 @@
     # router; vLLM: --data-parallel-size 2), each peer in each layout, same load
     python bench/serve_overhead.py ... --layouts 2x1 1x2
 
-Prints output tok/s and TTFT p50/p99 of both and Summit's ratio to vLLM. Not a test: nothing is asserted.
+`summit` is Summit on its direct path (Serve's HAProxy -> the engine replica); `--hops` adds the two-hop path.
+`--rounds N` alternates the peers N times and reports each one's median round.
+Prints output tok/s and TTFT p50/p99 of each and Summit's ratio to vLLM. Not a test: nothing is asserted.
 `--json FILE` writes `[{peer, concurrency, out_tok_s, ttft_p50_ms, ttft_p99_ms, ...}]`.
 """
 
@@ -149,6 +151,15 @@ def bench_summit(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: 
         cluster.stop()
 
 
+def median_round(runs: list[tuple[float, list[LoadResult]]]) -> tuple[float, list[LoadResult]]:
+    """Per concurrency, the round with the median tok/s (its TTFTs with it); ready time of the first round."""
+    rows = []
+    for i in range(len(runs[0][1])):
+        ordered = sorted((run[1][i] for run in runs), key=lambda r: r.tok_per_s)
+        rows.append(ordered[(len(ordered) - 1) // 2])
+    return runs[0][0], rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", help="model or config dir (default: make the tiny model)")
@@ -168,8 +179,11 @@ def main() -> None:
     p.add_argument("--coalesce-ms", type=float, default=None, help="Summit's stream_coalesce_ms (default: the config default)")
     p.add_argument("--omp-threads", type=int, default=1, help="CPU engine threads for both peers (cpu only)")
     p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--haproxy", action="store_true", help="also Summit behind Serve's HAProxy option (bench/proxy.py)")
-    p.add_argument("--only", choices=["vllm", "summit", "summit-haproxy"], default=None)
+    p.add_argument("--hops", action="store_true", help="also Summit on the two-hop path (Serve's Python proxy -> "
+                   "OpenAIIngress -> replica); `summit` is the direct path (HAProxy -> replica)")
+    p.add_argument("--rounds", type=int, default=1, help="alternate the peers this many times; report each peer's "
+                   "median round (by tok/s at each concurrency)")
+    p.add_argument("--only", choices=["vllm", "summit", "summit-hops"], default=None)
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     if ns.coalesce_ms is None:
@@ -189,16 +203,20 @@ def main() -> None:
         bound = hbm_bound_tok_s(model_dir, bw)
         print(f"copy bandwidth {bw:.0f} GB/s; single-stream HBM bound {bound:.1f} tok/s", flush=True)
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in ns.layouts]
-    peers = {"vllm": bench_vllm, "summit": bench_summit,
-             "summit-haproxy": lambda ns, model_dir, tp, r: bench_summit(ns, model_dir, tp, r, haproxy=True)}
-    wanted = {"vllm", "summit"} | ({"summit-haproxy"} if ns.haproxy else set())
-    results: dict[str, tuple[float, list[LoadResult]]] = {}
-    for tp, replicas in layouts:
-        suffix = "" if (tp, replicas) == (1, 1) else f" tp{tp}x{replicas}"
-        for name, fn in peers.items():
-            if name in wanted and ns.only in (None, name):
-                results[name + suffix] = fn(ns, model_dir, tp, replicas)
-                print(f"{name + suffix}: ready in {results[name + suffix][0]:.1f} s", flush=True)
+    peers = {"vllm": bench_vllm,
+             "summit": lambda ns, model_dir, tp, r: bench_summit(ns, model_dir, tp, r, haproxy=True),
+             "summit-hops": bench_summit}
+    wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set())
+    rounds: dict[str, list[tuple[float, list[LoadResult]]]] = {}
+    for round_no in range(ns.rounds):
+        for tp, replicas in layouts:
+            suffix = "" if (tp, replicas) == (1, 1) else f" tp{tp}x{replicas}"
+            for name, fn in peers.items():
+                if name in wanted and ns.only in (None, name):
+                    rounds.setdefault(name + suffix, []).append(fn(ns, model_dir, tp, replicas))
+                    print(f"round {round_no + 1} {name + suffix}: ready in {rounds[name + suffix][-1][0]:.1f} s "
+                          f"tok/s {[round(r.tok_per_s) for r in rounds[name + suffix][-1][1]]}", flush=True)
+    results = {name: median_round(runs) for name, runs in rounds.items()}
 
     print(f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}")
     for name, (_, rows) in results.items():

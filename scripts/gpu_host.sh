@@ -5,6 +5,8 @@
 #   bash scripts/gpu_host.sh tests    # python3 -m pytest tests/gpu -rA (TP=2, PP=2, PP=2 across two Ray nodes,
 #                                     # two TP=1 replicas, OpenAI checks, 8B shapes)
 #   bash scripts/gpu_host.sh bench    # 8B shapes (dummy weights): TP 2 x 1 vs TP 1 x 2, Summit vs vLLM, 1/32/256
+#   bash scripts/gpu_host.sh bench1 PEER   # one GPU, 8B shapes: PEER = vllm | summit (direct) | summit-hops,
+#                                          # 1/32/256 streams, 8 client processes (one peer a call: each takes minutes)
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -38,5 +40,12 @@ bench)
     --concurrency 1 32 256 --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
     --max-model-len 4096 --layouts 2x1 1x2 --client-procs 8 --json "$out/gpu-$(date +%F).json" 2>&1 \
     | tee "$out/gpu-$(date +%F).log" ;;
+bench1)
+  peer=${2:?usage: gpu_host.sh bench1 vllm|summit|summit-hops}
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+  python3 bench/serve_overhead.py --model-dir "$model8b" --accelerator gpu --load-format dummy \
+    --concurrency 1 32 256 --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
+    --max-model-len 4096 --client-procs 8 --hops --only "$peer" --json "$out/gpu1-$peer.json" 2>&1 \
+    | tee "$out/gpu1-$peer.log" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
