@@ -145,8 +145,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800, help="seconds")
     p.add_argument("--while-pid", type=int, default=None, help="give up when this process (e.g. `serve run`) exits")
     p.set_defaults(func=_wait_ready)
+
+    p = sub.add_parser("direct-path-env", help="print `export` lines putting a Ray started from this shell on the "
+                       "direct path (Serve's HAProxy with loopback stats, body-aware route picker)")
+    p.set_defaults(func=_direct_path_env)
     _add_sizing_commands(sub)
     return parser
+
+
+def _direct_path_env(ns: argparse.Namespace) -> int:
+    import shlex
+    import shutil
+
+    from app.deployment_options import DIRECT_PATH_ENV
+
+    env = dict(DIRECT_PATH_ENV)
+    if binary := shutil.which("summit-haproxy"):
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = binary
+    for key, value in env.items():
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from app.deployment_options import DIRECT_PATH_ENV
 from app.placement import plan_placement
 
 RAY_VERSION = "2.60.0"
@@ -71,7 +72,9 @@ def gpu_nodes(serve_doc: dict, gpus_per_node: int) -> int:
 
 # Serve's HAProxy in front of the ingress replicas instead of its Python proxy (README: "Proxy"); read by the Serve
 # controller when Ray starts, so it is set in every Ray container.
-RAY_ENV = [{"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}]
+# The direct path (app/deployment_options.DIRECT_PATH_ENV) in every Ray container. Serve's own HAProxy binary: its
+# stats and metrics ports listen on the pod's interfaces (inside the pod network).
+RAY_ENV = [{"name": k, "value": v} for k, v in DIRECT_PATH_ENV.items()]
 
 
 def _container(name: str, image: str, resources: dict, ports: list[dict] | None = None,

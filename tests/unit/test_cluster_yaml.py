@@ -72,8 +72,8 @@ def test_cluster_files_start_ray_with_serves_haproxy():
     for name in LAUNCHER_FILES:
         config = yaml.safe_load((CLUSTER / name).read_text())
         starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
-        assert len(starts) == 2 and all("RAY_SERVE_ENABLE_HA_PROXY=1 ray start" in c for c in starts), name
-    assert 'export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1}' in SBATCH.read_text()
+        assert len(starts) == 2 and all('eval "$(summit direct-path-env)"; RAY_AUTH_MODE=token ray start' in c for c in starts), name
+    assert 'eval "$(summit direct-path-env)"' in SBATCH.read_text()
     spec = yaml.safe_load((CLUSTER / "kuberay/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
     groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
     for container in (c for g in groups for c in g["template"]["spec"]["containers"]):
