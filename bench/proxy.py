@@ -4,8 +4,9 @@
     python bench/proxy.py --rounds 2           # alternate the peers twice (default, proxy, default, proxy)
 
 `RAY_SERVE_ENABLE_HA_PROXY=1` (read by the Serve controller, so set where `ray start` runs) replaces the Python
-proxy actor with HAProxy, which forwards each HTTP request straight to an ingress replica's own HTTP port ("direct
-ingress"); from there Summit's path is unchanged (ingress -> handle -> LLMServer). Each peer gets its own private
+proxy actor with HAProxy, which forwards each HTTP request straight to an ingress replica's own HTTP port; Summit
+then builds its direct path (the engine replica is the ingress), so this compares the two-hop path (Python proxy ->
+OpenAIIngress -> LLMServer) with the direct path (HAProxy -> LLMServer). Each peer gets its own private
 cluster and serve_configs/tiny-cpu.yaml, then two loads:
 
 - `short`: non-streamed completions of 1 token at `--short-concurrency`: requests/s and latency p50/p99, where

@@ -119,3 +119,46 @@ def test_client_disconnect_reaches_the_engine_app():
 
     asyncio.run(app(scope, receive, send))
     assert engine.disconnected.is_set()
+
+
+class FakeReplicaStream:
+    """Stands in for a Serve response stream from another replica's handle_http: a ResponseStart, then chunks."""
+
+    def __init__(self, items):
+        self._items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._items:
+            raise StopAsyncIteration
+        return self._items.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_another_models_request_goes_on_to_its_replica_once():
+    from deployments.protocol import ResponseStart
+
+    sent = []
+
+    def forward(request):
+        sent.append(request)
+        return FakeReplicaStream([ResponseStart(200, [(b"content-type", b"text/event-stream"),
+                                                      (b"x-summit-replica", b"replica-b")]), b"data: 1\n\n", b"data: 2\n\n"])
+
+    engine = EchoEngineApp()
+    app = ReplicaFront(engine, "a", ["a", "b"], [b"k"], lambda: False, "replica-a", forward=forward)
+    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "b", "prompt": "x", "stream": True},
+                         {"authorization": "Bearer k"}))
+    assert r.status_code == 200 and r.text == "data: 1\n\ndata: 2\n\n" and r.headers["x-summit-replica"] == "replica-b"
+    (request,) = sent
+    assert request.model == "b" and json.loads(request.body)["prompt"] == "x" and engine.seen == []
+    assert request.header(b"authorization") is None and request.header(b"x-summit-forwarded") == b"1"
+    # a request forwarded once that still meets the wrong model is not sent on again
+    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "b"}, {"authorization": "Bearer k",
+                                                                       "x-summit-forwarded": "1"}))
+    assert r.status_code == 503 and len(sent) == 1
