@@ -42,8 +42,10 @@ _DROP_RESPONSE_HEADERS = frozenset({b"x-request-id", b"date", b"server"})
 class ReplicaFront:
     def __init__(self, engine_app, model: str, models: Sequence[str], keys: list[bytes] | None,
                  engine_dead: Callable[[], bool], replica_id: str, model_cards: dict[str, dict] | None = None,
-                 forward: Callable[[HTTPRequest], Any] | None = None):
+                 forward: Callable[[HTTPRequest], Any] | None = None, coalesce_s: float = 0.0):
         self._app = engine_app
+        # a stream's chunks after its first are gathered for up to this long and sent as one (stream_coalesce_ms)
+        self._coalesce_s = coalesce_s
         # another model's request -> a Serve response stream from one of that model's replicas (its handle_http)
         self._forward = forward
         self.model = model
@@ -117,23 +119,30 @@ class ReplicaFront:
                 logger.info("request %s cancelled by its caller: aborting it in the engine", client_id.decode())
 
         error: dict | None = None  # a non-stream error response, buffered to reshape it
+        stream: _Coalescer | None = None  # a streamed (SSE) answer
 
         async def engine_send(message: dict) -> None:
-            nonlocal error, answered
+            nonlocal error, answered, stream
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 answered = True
             if message["type"] == "http.response.start":
                 out = [(k, v) for k, v in message.get("headers", []) if k.lower() not in _DROP_RESPONSE_HEADERS]
                 out.append((REPLICA_HEADER, self._replica_id))  # Serve adds the x-request-id it was given
                 message = {**message, "headers": out}
-                if message["status"] >= 400 and not (_header(out, b"content-type") or b"").startswith(b"text/event-stream"):
+                is_sse = (_header(out, b"content-type") or b"").startswith(b"text/event-stream")
+                if message["status"] >= 400 and not is_sse:
                     error = {"start": message, "body": []}
                     return
+                if is_sse and self._coalesce_s > 0:
+                    stream = _Coalescer(send, self._coalesce_s)
             elif message["type"] == "http.response.body" and error is not None:
                 error["body"].append(message.get("body", b""))
                 if message.get("more_body", False):
                     return
                 await _send_error(send, error["start"], b"".join(error["body"]))
+                return
+            elif message["type"] == "http.response.body" and stream is not None:
+                await stream.body(message.get("body", b""), message.get("more_body", False))
                 return
             await send(message)
 
@@ -142,6 +151,9 @@ class ReplicaFront:
         except asyncio.CancelledError:  # the two-hop path cancels the app when its caller goes
             log_cancel()
             raise
+        finally:
+            if stream is not None:
+                stream.close()
 
     async def _to_other_replica(self, name: str, scope, headers, body: bytes, receive, send) -> None:
         if self._forward is None or _header(headers, FORWARDED_HEADER):  # forwarded once already: no loops
@@ -195,6 +207,51 @@ class ReplicaFront:
         data = own + [self._cards.get(m, {"id": m, "object": "model", "owned_by": "summit"})
                       for m in self._models if m != self.model]
         await _send_json(send, 200, {"object": "list", "data": data})
+
+
+class _Coalescer:
+    """A stream's body chunks: the first goes at once (it carries the time to first token); later ones are gathered
+    for up to `window_s` after the first of them and sent as one message, so a busy replica makes fewer, larger
+    writes (fewer wake-ups of its HTTP server, HAProxy and the client) at the cost of that much smoothness."""
+
+    def __init__(self, send, window_s: float):
+        self._send = send
+        self._window_s = window_s
+        self._chunks: list[bytes] = []
+        self._timer: asyncio.Task | None = None
+        self._lock = asyncio.Lock()  # sends in order, one at a time
+        self._first = True
+
+    async def body(self, chunk: bytes, more_body: bool) -> None:
+        if more_body and not self._first:
+            self._chunks.append(chunk)
+            if self._timer is None:
+                self._timer = asyncio.create_task(self._flush_later())
+            return
+        self._first = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        await self._flush(chunk, more_body)
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self._window_s)
+        self._timer = None  # from here on a later chunk starts a new window; this flush is no longer cancelled
+        try:
+            await self._flush(b"", True)
+        except Exception:  # noqa: BLE001 — the client left; the app's own send sees it too
+            pass
+
+    async def _flush(self, tail: bytes, more_body: bool) -> None:
+        async with self._lock:
+            data = b"".join(self._chunks) + tail
+            self._chunks.clear()
+            if data or not more_body:
+                await self._send({"type": "http.response.body", "body": data, "more_body": more_body})
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def _header(headers, name: bytes) -> bytes | None:

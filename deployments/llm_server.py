@@ -49,7 +49,8 @@ class LLMServer:
         self._front = ReplicaFront(
             self._engine_app.app, model.name, [m.name for m, _ in models], keys,
             lambda: vllm_adapter.engine_is_dead(self._engine_app.engine), self._replica_id,
-            {m.name: _model_card(m, src) for m, src in models}, self._forward if len(models) > 1 else None)
+            {m.name: _model_card(m, src) for m, src in models}, self._forward if len(models) > 1 else None,
+            coalesce_s=self._coalesce_s)
         self._own_handle = None
 
     def _forward(self, request: HTTPRequest):
@@ -75,7 +76,8 @@ class LLMServer:
             raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} is dead")
         # A caller that goes away cancels this generator: stream_asgi tells vLLM's app (http.disconnect, then
         # cancellation), which aborts the engine request; the front logs it.
-        async for item in stream_asgi(self._front, request, self._coalesce_s):
+        # the front coalesces a stream's chunks; the bridge only merges what is already queued behind a slow caller
+        async for item in stream_asgi(self._front, request):
             if isinstance(item, ResponseStart) and item.status >= 500 and vllm_adapter.engine_is_dead(self._engine_app.engine):
                 raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} died during the request")
             yield item

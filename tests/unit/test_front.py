@@ -162,3 +162,41 @@ def test_another_models_request_goes_on_to_its_replica_once():
     r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "b"}, {"authorization": "Bearer k",
                                                                        "x-summit-forwarded": "1"}))
     assert r.status_code == 503 and len(sent) == 1
+
+
+class StreamingEngineApp:
+    """A fake engine app streaming SSE: `n` chunks, `gap_s` apart."""
+
+    def __init__(self, n: int, gap_s: float):
+        self.n, self.gap_s = n, gap_s
+
+    async def __call__(self, scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(self.n):
+            await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+            await asyncio.sleep(self.gap_s)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+@pytest.mark.parametrize("coalesce_s", [0.0, 0.05])
+def test_stream_chunks_after_the_first_are_coalesced_in_order(coalesce_s):
+    app = ReplicaFront(StreamingEngineApp(40, 0.002), "a", ["a"], None, lambda: False, "r", coalesce_s=coalesce_s)
+    messages = []
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    request = [{"type": "http.request", "body": b'{"model": "a", "stream": true}', "more_body": False}]
+
+    async def receive():
+        return request.pop(0) if request else await asyncio.sleep(3600)
+
+    async def send(message):
+        messages.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    bodies = [m for m in messages if m["type"] == "http.response.body"]
+    assert b"".join(m["body"] for m in bodies) == b"".join(f"data: {i}\n\n".encode() for i in range(40)) + b"data: [DONE]\n\n"
+    assert bodies[0]["body"] == b"data: 0\n\n" and not bodies[-1]["more_body"] and all(m["more_body"] for m in bodies[:-1])
+    if coalesce_s:
+        assert len(bodies) < 20  # ~100 ms of chunks in 50 ms windows
+    else:
+        assert len(bodies) == 41
