@@ -7,7 +7,8 @@
     # router; vLLM: --data-parallel-size 2), each peer in each layout, same load
     python bench/serve_overhead.py ... --layouts 2x1 1x2
 
-`summit` is Summit on its direct path (Serve's HAProxy -> the engine replica); `--hops` adds the two-hop path.
+`summit` is Summit on its direct path (Serve's HAProxy -> the engine replica); `--hops` adds the two-hop path,
+`--rayllm` Ray Serve LLM 2.60 with its direct streaming (same HAProxy environment and engine settings).
 `--rounds N` alternates the peers N times and reports each one's median round.
 Prints output tok/s and TTFT p50/p99 of each and Summit's ratio to vLLM. Not a test: nothing is asserted.
 `--json FILE` writes `[{peer, concurrency, out_tok_s, ttft_p50_ms, ttft_p99_ms, ...}]`.
@@ -151,6 +152,37 @@ def bench_summit(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: 
         cluster.stop()
 
 
+RAYLLM_SITE = Path(__file__).resolve().parent / ".rayllm-site"
+
+
+def bench_rayllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1) -> tuple[float, list[LoadResult]]:
+    """Ray Serve LLM 2.60 (`ray.serve.llm:build_openai_app`) with its direct streaming (HAProxy -> its LLMServer
+    replica), one model, the same engine settings and HAProxy environment as Summit's direct path. Its extra
+    dependencies live apart from Summit's: `pip install --target bench/.rayllm-site --no-deps pyarrow jsonref`."""
+    if not (RAYLLM_SITE / "pyarrow").is_dir():
+        raise SystemExit(f"Ray Serve LLM needs pyarrow and jsonref: pip install --target {RAYLLM_SITE} --no-deps pyarrow jsonref")
+    llm_config = {"model_loading_config": {"model_id": MODEL, "model_source": model_dir},
+                  "engine_kwargs": {**engine_kwargs(ns), "tensor_parallel_size": tp},
+                  "deployment_config": {"num_replicas": replicas}}
+    if ns.accelerator == "cpu":
+        llm_config["accelerator_config"] = {"kind": "cpu"}
+    config = {"proxy_location": "HeadOnly", "applications": [{
+        "name": "rayllm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app",
+        "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
+        "args": {"llm_configs": [llm_config]}}]}
+    path = os.pathsep.join(x for x in [str(RAYLLM_SITE), os.environ.get("PYTHONPATH", "")] if x)
+    env = {**engine_env(ns), "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "PYTHONPATH": path}
+    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=True)
+    try:
+        t0 = time.monotonic()
+        cluster.start()
+        cluster.serve_deploy(config, timeout_s=ns.start_timeout)
+        ready = time.monotonic() - t0
+        return ready, run_loads(cluster.base_url, ns)
+    finally:
+        cluster.stop()
+
+
 def median_round(runs: list[tuple[float, list[LoadResult]]]) -> tuple[float, list[LoadResult]]:
     """Per concurrency, the round with the median tok/s (its TTFTs with it); ready time of the first round."""
     rows = []
@@ -183,7 +215,9 @@ def main() -> None:
                    "OpenAIIngress -> replica); `summit` is the direct path (HAProxy -> replica)")
     p.add_argument("--rounds", type=int, default=1, help="alternate the peers this many times; report each peer's "
                    "median round (by tok/s at each concurrency)")
-    p.add_argument("--only", choices=["vllm", "summit", "summit-hops"], default=None)
+    p.add_argument("--rayllm", action="store_true", help="also Ray Serve LLM 2.60 with its direct streaming (one "
+                   "model; see bench_rayllm for its extra dependencies)")
+    p.add_argument("--only", choices=["vllm", "summit", "summit-hops", "rayllm"], default=None)
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     if ns.coalesce_ms is None:
@@ -205,8 +239,8 @@ def main() -> None:
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in ns.layouts]
     peers = {"vllm": bench_vllm,
              "summit": lambda ns, model_dir, tp, r: bench_summit(ns, model_dir, tp, r, haproxy=True),
-             "summit-hops": bench_summit}
-    wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set())
+             "summit-hops": bench_summit, "rayllm": bench_rayllm}
+    wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set()) | ({"rayllm"} if ns.rayllm else set())
     rounds: dict[str, list[tuple[float, list[LoadResult]]]] = {}
     for round_no in range(ns.rounds):
         for tp, replicas in layouts:
