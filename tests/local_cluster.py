@@ -29,6 +29,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_window(low: int, high: int, size: int = 100) -> int:
+    """The first port of `size` consecutive ports in [low, high) that are free now (below Linux's ephemeral range,
+    which free_port draws from), picked at random so that clusters started side by side get different windows."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(low, high - size, size)
+        try:
+            for port in range(base, base + size, 10):  # sampled: enough to avoid a window in use
+                with socket.socket() as s:
+                    s.bind((LOOPBACK, port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no free window of {size} ports in [{low}, {high})")
+
+
 def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for Ray processes and clients: auth off on loopback, and Ray kept on 127.0.0.1."""
     env = dict(os.environ)
@@ -64,6 +81,11 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
         # stats and metrics on loopback (app/haproxy_loopback.py), as scripts/serve.sh runs it
         "RAY_SERVE_HAPROXY_BINARY_PATH": shutil.which("summit-haproxy") or "",
+        # replicas' own HTTP and gRPC ports: a window per cluster (Serve's default 30000+ / 40000+ is one per machine,
+        # and two test clusters side by side would both take 30000)
+        **{f"RAY_SERVE_DIRECT_INGRESS_{bound}_{proto}_PORT": str(base + (0 if bound == "MIN" else 99))
+           for proto, base in [("HTTP", free_port_window(20000, 26000)), ("GRPC", free_port_window(26000, 32000))]
+           for bound in ("MIN", "MAX")},
     }
 
 

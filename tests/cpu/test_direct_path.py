@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import openai
@@ -90,18 +89,25 @@ def test_a_body_cut_at_the_routing_buffer_is_answered_by_its_model(two_models):
 
 
 def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
-    def unfinished() -> int:
-        stats = probe(two_models.address, "each", APP, POOL, "stats", "--replicas", "2")
-        return sum(s["num_unfinished_requests"] for s in stats.values())
+    """Read from the engines' own counters, not the client: how many tokens they made for a stream left after 3."""
+    def engines(method: str) -> dict:
+        return probe(two_models.address, "each", APP, POOL, method, "--replicas", "2")
 
+    def generated() -> int:
+        return sum(c["generation_tokens"] for c in engines("token_counters").values())
+
+    assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 60)
+    before = generated()
     with httpx.stream("POST", two_models.base_url + "/v1/completions", timeout=60,
                       json={"model": "tiny-b", "prompt": "a", "max_tokens": MAX_LEN - 100, "ignore_eos": True, "stream": True}) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept referenced: a dropped iterator closes the response (the client leaves early)
         for _ in range(3):
             next(lines)
-        assert unfinished() == 1
-    assert wait_for(lambda: unfinished() == 0, 60), "the engine went on generating for a client that left"
+    assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 60)
+    made = generated() - before
+    # aborted: the engine stopped long before the tokens it would have made for a client that stayed
+    assert 1 <= made < 0.5 * (MAX_LEN - 100), f"the engines made {made} tokens for a stream left after 3 lines"
 
 
 def test_models_of_different_shapes_fall_back_to_two_hops(tiny_model_dir):
