@@ -141,7 +141,12 @@ def bench_summit(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: 
         "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
         "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
         "args": {"models": [model]}}]}
-    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=engine_env(ns), haproxy=haproxy)
+    return serve_peer(ns, config, engine_env(ns), haproxy)
+
+
+def serve_peer(ns: argparse.Namespace, config: dict, env: dict[str, str], haproxy: bool) -> tuple[float, list[LoadResult]]:
+    """A private Ray cluster with `config` deployed: (seconds until it answered, the loads' results)."""
+    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=haproxy)
     try:
         t0 = time.monotonic()
         cluster.start()
@@ -172,15 +177,7 @@ def bench_rayllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: 
         "args": {"llm_configs": [llm_config]}}]}
     path = os.pathsep.join(x for x in [str(RAYLLM_SITE), os.environ.get("PYTHONPATH", "")] if x)
     env = {**engine_env(ns), "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "PYTHONPATH": path}
-    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=True)
-    try:
-        t0 = time.monotonic()
-        cluster.start()
-        cluster.serve_deploy(config, timeout_s=ns.start_timeout)
-        ready = time.monotonic() - t0
-        return ready, run_loads(cluster.base_url, ns)
-    finally:
-        cluster.stop()
+    return serve_peer(ns, config, env, haproxy=True)
 
 
 def median_round(runs: list[tuple[float, list[LoadResult]]]) -> tuple[float, list[LoadResult]]:
