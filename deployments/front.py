@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from deployments.auth import authorized, unauthorized
-from deployments.errors import error_response, openai_error_bytes
+from deployments.errors import error_body, error_response, openai_error_bytes
 from deployments.model_names import BadModel, model_for
 from deployments.protocol import HTTPRequest
 from deployments.replica_stream import ModelUnavailable, first_response, replica_failures
@@ -130,6 +130,10 @@ class ReplicaFront:
                 out.append((REPLICA_HEADER, self._replica_id))  # Serve adds the x-request-id it was given
                 message = {**message, "headers": out}
                 is_sse = (_header(out, b"content-type") or b"").startswith(b"text/event-stream")
+                if message["status"] >= 500 and self._engine_dead():  # the engine died under this request
+                    error = {"start": {**message, "status": 503, "headers": out + [(b"retry-after", RETRY_AFTER_S.encode())]},
+                             "body": [], "message": "The model engine of this replica died; it is being replaced. Retry."}
+                    return
                 if message["status"] >= 400 and not is_sse:
                     error = {"start": message, "body": []}
                     return
@@ -139,7 +143,10 @@ class ReplicaFront:
                 error["body"].append(message.get("body", b""))
                 if message.get("more_body", False):
                     return
-                await _send_error(send, error["start"], b"".join(error["body"]))
+                body = b"".join(error["body"])
+                if "message" in error:
+                    body = json.dumps(error_body(503, error["message"])).encode()
+                await _send_error(send, error["start"], body)
                 return
             elif message["type"] == "http.response.body" and stream is not None:
                 await stream.body(message.get("body", b""), message.get("more_body", False))

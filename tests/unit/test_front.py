@@ -200,3 +200,19 @@ def test_stream_chunks_after_the_first_are_coalesced_in_order(coalesce_s):
         assert len(bodies) < 20  # ~100 ms of chunks in 50 ms windows
     else:
         assert len(bodies) == 41
+
+
+def test_an_engine_that_dies_under_a_request_answers_503():
+    dead = {"now": False}
+
+    class DyingEngineApp(EchoEngineApp):
+        async def __call__(self, scope, receive, send):
+            await receive()
+            dead["now"] = True  # vLLM answers 500 "EngineCore encountered an issue" once its core is gone
+            await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "EngineCore encountered an issue"}}'})
+
+    app = ReplicaFront(DyingEngineApp(), "a", ["a"], None, lambda: dead["now"], "r")
+    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a"}))
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "ServiceUnavailableError" and "replaced" in r.json()["error"]["message"]
