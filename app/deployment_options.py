@@ -10,7 +10,7 @@ from typing import Any
 
 from app.config import IngressOptions, ModelConfig
 from app.placement import DEFAULT_GPUS_PER_NODE, PlacementPlan, placement_deployment_options, plan_placement
-from deployments.routers import request_router_options
+from deployments.routers import pool_router_options, request_router_options
 from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
 
 
@@ -25,6 +25,10 @@ DIRECT_PATH_ENV = {
     # vLLM's app runs on the replica's own event loop, not a second one with a thread hop per streamed chunk
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
+
+
+# Serve's max_ongoing_requests where the replica's front bounds running + queued requests itself (no limit, in effect).
+FRONT_BOUNDS_ONGOING = 1_000_000
 
 
 def replica_num_cpus(model: ModelConfig) -> float:
@@ -64,7 +68,7 @@ def replica_resources(model: ModelConfig) -> dict[str, Any]:
     return {"ray_actor_options": actor, **placement_deployment_options(replica_placement(model))}
 
 
-def llm_deployment_options(model: ModelConfig, models_per_deployment: int = 1) -> dict[str, Any]:
+def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
     """Serve options of one model's engine deployment (pure: no Ray calls)."""
     d = model.deployment
     options: dict[str, Any] = {
@@ -83,14 +87,14 @@ def llm_deployment_options(model: ModelConfig, models_per_deployment: int = 1) -
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = d.num_replicas
-    # least_load on one model adds nothing (Serve's default router); the other cases name a Summit router and its kwargs.
-    options.update(request_router_options(model.routing.policy, models_per_deployment=models_per_deployment,
-                                          **model.routing.model_dump(exclude={"policy"})))
+    # least_load adds nothing (Serve's default router); the other policies name a Summit router and its kwargs.
+    options.update(request_router_options(model.routing.policy, **model.routing.model_dump(exclude={"policy"})))
     return options
 
 
-# Options a model's own choice may set differently from another model's in one engine deployment.
-_PER_MODEL_OPTIONS = {"name", "num_replicas"}
+# Options a model's own choice may set differently from another model's in one engine deployment (the deployment's
+# router applies each model's own routing policy).
+_PER_MODEL_OPTIONS = {"name", "num_replicas", "request_router_config"}
 
 
 def pool_problem(models: list[ModelConfig]) -> str | None:
@@ -112,15 +116,22 @@ def pool_problem(models: list[ModelConfig]) -> str | None:
 
 
 def _shape(model: ModelConfig) -> dict[str, Any]:
-    return {k: v for k, v in llm_deployment_options(model, 2).items() if k not in _PER_MODEL_OPTIONS}
+    return {k: v for k, v in llm_deployment_options(model).items() if k not in _PER_MODEL_OPTIONS}
 
 
 def engine_pool_options(models: list[ModelConfig]) -> dict[str, Any]:
-    """Serve options of the engine deployment hosting `models` (one model a replica; `pool_problem` must be None)."""
-    options = llm_deployment_options(models[0], len(models))
+    """Serve options of the engine deployment hosting `models` (one model a replica; `pool_problem` must be None):
+    the direct path's. A bounded queue (max_queued_requests >= 0) is kept by the replica's front, which answers an
+    overload OpenAI-shaped (deployments/front.Admission): Serve passes every request on to it (a request Serve held
+    back would wait unseen; one Serve refused would get its plain-text answer)."""
+    options = llm_deployment_options(models[0])
+    if options["max_queued_requests"] >= 0:
+        options["max_ongoing_requests"] = FRONT_BOUNDS_ONGOING
+        options["max_queued_requests"] = -1
     if len(models) > 1:
         options["name"] = "LLMServer:" + "+".join(m.name for m in models)
         options["num_replicas"] = sum(m.deployment.num_replicas for m in models)
+        options.update(pool_router_options({m.name: m.routing.model_dump() for m in models}))
     return options
 
 
@@ -134,10 +145,17 @@ def pool_model_index(rank: int, replicas_per_model: list[int]) -> int:
     return 0
 
 
+# How old a replica's load may be when the route picker decides (Serve's default, 10 s, is refreshed by requests sent
+# through the router; the picker sends none, so without this a hot prefix would not spill for up to 10 s).
+PICKER_LOAD_MAX_AGE_S = 0.25
+
+
 def route_picker_options(ingress: IngressOptions) -> dict[str, Any]:
     """The direct path's ingress request router (HAProxy asks it which replica takes each POST)."""
+    env = {"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": str(PICKER_LOAD_MAX_AGE_S)}
     return {"name": "RoutePicker", "num_replicas": ingress.num_replicas,
-            "max_ongoing_requests": ingress.max_ongoing_requests, "ray_actor_options": {"num_cpus": ingress.num_cpus}}
+            "max_ongoing_requests": ingress.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": ingress.num_cpus, "runtime_env": {"env_vars": env}}}
 
 
 def replica_bundles(options: dict[str, Any]) -> tuple[list[dict[str, float]], str]:

@@ -27,6 +27,8 @@ class LoadResult:
     wall_s: float
     ttft_s: list[float]
     errors: int
+    # CPU seconds the serving processes (the server's whole process tree: engine included) used during the load
+    serving_cpu_s: float | None = None
 
     @property
     def tok_per_s(self) -> float:
@@ -38,7 +40,38 @@ class LoadResult:
     def row(self) -> dict:
         return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
                 "out_tok_s": round(self.tok_per_s, 1), "ttft_p50_ms": round(self.ttft_pct(50) * 1000, 1),
-                "ttft_p99_ms": round(self.ttft_pct(99) * 1000, 1), "wall_s": round(self.wall_s, 2)}
+                "ttft_p99_ms": round(self.ttft_pct(99) * 1000, 1), "wall_s": round(self.wall_s, 2),
+                **({} if self.serving_cpu_s is None else {"serving_cpu_s_per_1k_tok": self.cpu_per_1k_tok()})}
+
+    def cpu_per_1k_tok(self) -> float | None:
+        if self.serving_cpu_s is None or not self.output_tokens:
+            return None
+        return round(self.serving_cpu_s / self.output_tokens * 1000, 3)
+
+
+def tree_cpu_s(root_pid: int) -> dict[tuple[int, float], float]:
+    """User + system CPU seconds of each live process in `root_pid`'s tree, keyed by (pid, start time)."""
+    import psutil
+
+    out = {}
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            out[(proc.pid, proc.create_time())] = t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def cpu_used_s(before: dict, after: dict) -> float:
+    """CPU seconds between two `tree_cpu_s` snapshots (a process started in between counts whole; one that ended in
+    between is missed)."""
+    return sum(t - before.get(key, 0.0) for key, t in after.items())
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, int, str | None]:

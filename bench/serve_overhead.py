@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
-from bench.loadgen import LoadResult, make_prompts, run_load, run_load_processes  # noqa: E402
+from bench.loadgen import LoadResult, cpu_used_s, make_prompts, run_load, run_load_processes, tree_cpu_s  # noqa: E402
 from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV  # noqa: E402
 
 MODEL = "bench-model"
@@ -101,13 +101,17 @@ def hbm_bound_tok_s(model_dir: str, bandwidth_gbs: float) -> float:
     return bandwidth_gbs * 1e9 / streamed
 
 
-def run_loads(base_url: str, ns: argparse.Namespace) -> list[LoadResult]:
+def run_loads(base_url: str, ns: argparse.Namespace, server_pid: int) -> list[LoadResult]:
+    """Each concurrency level's load, with the CPU the server's process tree (`server_pid`'s) used meanwhile."""
     asyncio.run(run_load(base_url, MODEL, make_prompts(4, ns.prompt_words, seed=1), 4, 8))  # warm-up
     results = []
     for c in ns.concurrency:
         n = ns.requests if ns.requests_per_stream is None else max(8, c * ns.requests_per_stream)
         prompts = make_prompts(n, ns.prompt_words)
-        results.append(run_load_processes(base_url, MODEL, prompts, c, ns.max_tokens, ns.client_procs))
+        before = tree_cpu_s(server_pid)
+        result = run_load_processes(base_url, MODEL, prompts, c, ns.max_tokens, ns.client_procs)
+        result.serving_cpu_s = cpu_used_s(before, tree_cpu_s(server_pid))
+        results.append(result)
     return results
 
 
@@ -126,7 +130,7 @@ def bench_vllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: in
                             start_new_session=True)
     try:
         ready = wait_http(f"http://{LOOPBACK}:{port}/v1/models", proc, ns.start_timeout)
-        return ready, run_loads(f"http://{LOOPBACK}:{port}", ns)
+        return ready, run_loads(f"http://{LOOPBACK}:{port}", ns, proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
@@ -152,7 +156,7 @@ def serve_peer(ns: argparse.Namespace, config: dict, env: dict[str, str], haprox
         cluster.start()
         cluster.serve_deploy(config, timeout_s=ns.start_timeout)
         ready = time.monotonic() - t0
-        return ready, run_loads(cluster.base_url, ns)
+        return ready, run_loads(cluster.base_url, ns, cluster.proc.pid)  # `ray start --block`: every Ray process
     finally:
         cluster.stop()
 
@@ -249,11 +253,12 @@ def main() -> None:
                           f"tok/s {[round(r.tok_per_s) for r in rounds[name + suffix][-1][1]]}", flush=True)
     results = {name: median_round(runs) for name, runs in rounds.items()}
 
-    print(f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}")
+    print(f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}"
+          f"{'CPU s/1k tok':>14}")
     for name, (_, rows) in results.items():
         for r in rows:
             print(f"{name:<22}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
-                  f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}")
+                  f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}{r.cpu_per_1k_tok() or float('nan'):>14.2f}")
     for name in results:
         base = "vllm" + name[len(name.split(" ")[0]):]  # the vLLM run of the same layout
         if name != base and base in results:

@@ -8,13 +8,16 @@ On both: a request for another of the application's models goes on to one of tha
 Serve handle: a body cut at HAProxy's buffer size reaches the route picker without its model), the engine gets the client's `x-request-id` plus a unique
 suffix (a reused id cannot collide inside vLLM; Serve answers with the client's id), an error that is not a
 stream comes out OpenAI-shaped, and a dead engine answers 503 + Retry-After.
+On the direct path the front also bounds the replica's load (`Admission`): Serve's own rejection there is plain text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +58,8 @@ class ReplicaFront:
         self._replica_id = replica_id.encode()
         # /v1/models entries of the application's other models (this replica's own comes from vLLM)
         self._cards = model_cards or {}
+        # the direct path's bound on running + waiting requests (None: Serve bounds them, as on the two-hop path)
+        self.admission: Admission | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":  # vLLM's app was started with its engine; nothing to start or stop here
@@ -93,7 +98,14 @@ class ReplicaFront:
             await error_response(503, "The model engine of this replica has died; it is being replaced. Retry.",
                                  headers={"retry-after": RETRY_AFTER_S})(scope, receive, send)
             return
-        await self._to_engine(scope, headers, body, receive, send)
+        if self.admission is None:
+            await self._to_engine(scope, headers, body, receive, send)
+            return
+        if self.admission.full():
+            await self.admission.reject(self.model)(scope, receive, send)
+            return
+        async with self.admission.slot():
+            await self._to_engine(scope, headers, body, receive, send)
 
     async def _to_engine(self, scope, headers, body: bytes, receive, send) -> None:
         client_id = _header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
@@ -214,6 +226,42 @@ class ReplicaFront:
         data = own + [self._cards.get(m, {"id": m, "object": "model", "owned_by": "summit"})
                       for m in self._models if m != self.model]
         await _send_json(send, 200, {"object": "list", "data": data})
+
+
+class Admission:
+    """A replica's bound on the direct path: `ongoing` requests run in the engine at once, up to `queued` more wait
+    here in arrival order, and one more is answered `status` (429 or 503, the deployment's overload_status_code) with
+    Retry-After, OpenAI-shaped. Serve's replica would bound them too, but it answers in plain text; so on this path
+    Serve passes every request on and this bounds them (app/deployment_options.engine_pool_options)."""
+
+    def __init__(self, ongoing: int, queued: int, status: int, retry_after_s: float):
+        self.ongoing, self.queued, self.status = ongoing, queued, status
+        self.retry_after = str(math.ceil(retry_after_s))
+        self._running = 0
+        self._waiting = 0
+        self._free = asyncio.Semaphore(ongoing)
+
+    def full(self) -> bool:
+        return self._running >= self.ongoing and self._waiting >= self.queued
+
+    @contextlib.asynccontextmanager
+    async def slot(self):
+        self._waiting += 1
+        try:
+            await self._free.acquire()  # a client that leaves while waiting is cancelled here
+        finally:
+            self._waiting -= 1
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._free.release()
+
+    def reject(self, model: str):
+        return error_response(
+            self.status, f"Model {model!r} is overloaded: {self.ongoing} requests running and {self.queued} queued on "
+            f"this replica. Retry after {self.retry_after} s.", headers={"retry-after": self.retry_after})
 
 
 class _Coalescer:

@@ -21,14 +21,10 @@ from app.deployment_options import pool_model_index
 from deployments import vllm_adapter
 from deployments.asgi_bridge import stream_asgi
 from deployments.auth import load_api_keys
-from deployments.front import ReplicaFront
+from deployments.front import Admission, ReplicaFront
 from deployments.protocol import HTTPRequest, ResponseStart
 
 logger = logging.getLogger("ray.serve")
-
-
-class EngineUnavailable(RuntimeError):
-    """The replica's engine has died; the replica is about to be replaced."""
 
 
 class LLMServer:
@@ -52,6 +48,8 @@ class LLMServer:
             {m.name: _model_card(m, src) for m, src in models}, self._forward if len(models) > 1 else None,
             coalesce_s=self._coalesce_s)
         self._own_handle = None
+        self._deployment = model.deployment
+        self._max_ongoing = model.max_ongoing_requests
 
     def _forward(self, request: HTTPRequest):
         """A Serve response stream for another model's request, from one of that model's replicas (same deployment:
@@ -62,7 +60,12 @@ class LLMServer:
         return self._own_handle.options(stream=True).handle_http.remote(request)
 
     async def __serve_build_asgi_app__(self):
-        """The direct path's HTTP app (Serve calls this after __init__ when the deployment is the ingress)."""
+        """The direct path's HTTP app (Serve calls this after __init__ when the deployment is the ingress). A bounded
+        queue is the front's here, so that an overload is answered OpenAI-shaped (Serve's answer would be plain text)."""
+        d = self._deployment
+        if d.max_queued_requests >= 0:
+            self._front.admission = Admission(self._max_ongoing, d.max_queued_requests, d.overload_status_code,
+                                              d.retry_after_s)
         return self._front
 
     def record_routing_stats(self) -> dict:
@@ -70,16 +73,12 @@ class LLMServer:
         return {"model": self.model}
 
     async def handle_http(self, request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """Run one HTTP request through vLLM's app; yields a ResponseStart, then body chunks."""
-        if vllm_adapter.engine_is_dead(self._engine_app.engine):
-            # Serve's health check will replace this replica; the ingress turns this into a 503.
-            raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} is dead")
+        """Run one HTTP request through the front and vLLM's app; yields a ResponseStart, then body chunks. (A dead
+        engine is the front's to answer: 503 + Retry-After, OpenAI-shaped, as on the direct path.)"""
         # A caller that goes away cancels this generator: stream_asgi tells vLLM's app (http.disconnect, then
         # cancellation), which aborts the engine request; the front logs it.
         # the front coalesces a stream's chunks; the bridge only merges what is already queued behind a slow caller
         async for item in stream_asgi(self._front, request):
-            if isinstance(item, ResponseStart) and item.status >= 500 and vllm_adapter.engine_is_dead(self._engine_app.engine):
-                raise EngineUnavailable(f"the vLLM engine of replica {self._replica_id} died during the request")
             yield item
 
     async def check_health(self) -> None:
@@ -98,11 +97,11 @@ class LLMServer:
     def token_counters(self) -> dict:
         """vLLM's own count of tokens this replica's engine has generated (not in `stats()`, which tests poll
         often: reading vLLM's metrics registry takes far longer than the request count)."""
-        return {"replica_id": self._replica_id, "generation_tokens": vllm_adapter.generated_tokens()}
+        return {"replica_id": self._replica_id, "model": self.model, "generation_tokens": vllm_adapter.generated_tokens()}
 
     def prefix_cache_stats(self) -> dict:
         """vLLM's own prefix-cache counters for this replica's engine: prompt tokens queried and found cached."""
-        return {"replica_id": self._replica_id, **vllm_adapter.prefix_cache_counters()}
+        return {"replica_id": self._replica_id, "model": self.model, **vllm_adapter.prefix_cache_counters()}
 
     def __del__(self):
         # Without this each replica leaks its engine's shared-memory segments and sockets.

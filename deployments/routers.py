@@ -6,9 +6,9 @@ gets its kwargs through `initialize_state`. Its affinity tables are local to tha
 ingress replicas each learns its own owners, and ties between equally loaded replicas are broken by a
 hash of the key so that they mostly agree.
 
-Policies:
-- `least_load`: Serve's own `PowerOfTwoChoicesRequestRouter` (the default; no option is set); on a deployment
-  hosting several models, `LeastLoadRouter` (the same choice among the request's model's replicas).
+Policies (one deployment per model: its router; several models in one deployment, the direct path's pool:
+`ModelPolicyRouter`, which keeps each request to its model's replicas and applies that model's policy):
+- `least_load`: Serve's own `PowerOfTwoChoicesRequestRouter` (the default; no option is set).
 - `prefix_affinity`: `PrefixAffinityRouter` — same leading prompt block → same replica, unless overloaded.
 - `session_affinity`: `SessionAffinityRouter` — same `x-session-id` (or `user`) → same replica while it lives.
 
@@ -30,28 +30,74 @@ from deployments.protocol import HTTPRequest
 logger = logging.getLogger("ray.serve")
 
 
-class _AffinityRouter(RequestRouter):
-    """Shared plumbing: read the request's key, gather queue lengths, rank the replica app.routing picks."""
+class _Policy:
+    """One model's routing decision: the request's affinity key (None: least load) and the replica for a key."""
 
     # Whether only the chosen replica may take a keyed request. When False, the other replicas form a
     # second rank that Serve tries (least loaded first) if the chosen one is full.
     strict = False
+
+    def __init__(self, max_tracked: int = routing.DEFAULT_MAX_TRACKED):
+        self.table = routing.AffinityTable(max_tracked)
+
+    def key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
+        return None
+
+    def decide(self, key: str, loads: routing.Loads) -> str:
+        raise NotImplementedError
+
+
+class _LeastLoad(_Policy):
+    """Power of two choices (every request has no key)."""
+
+
+class _PrefixAffinity(_Policy):
+    """Requests whose prompts share a leading block go to the replica that holds that prefix in its KV cache."""
+
+    def __init__(self, prefix_chars: int = routing.DEFAULT_PREFIX_CHARS, imbalance: int = routing.DEFAULT_IMBALANCE,
+                 max_tracked: int = routing.DEFAULT_MAX_TRACKED):
+        super().__init__(max_tracked)
+        self.prefix_chars, self.imbalance = prefix_chars, imbalance
+
+    def key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
+        return routing.prefix_key(routing.request_body(request.body), self.prefix_chars)
+
+    def decide(self, key: str, loads: routing.Loads) -> str:
+        return routing.prefix_affinity(self.table, key, loads, self.imbalance)
+
+
+class _SessionAffinity(_Policy):
+    """A session (`x-session-id` header, else Serve's session id, else `user`) stays on one replica while it lives."""
+
+    # A session waits for its replica rather than breaking; Serve's backpressure bounds the wait.
+    strict = True
+
+    def key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
+        session_id = pending_request.metadata.session_id
+        # The header is enough most of the time: parse the body only when it is missing.
+        return routing.session_key(None, request.headers, session_id) or routing.session_key(routing.request_body(request.body), [])
+
+    def decide(self, key: str, loads: routing.Loads) -> str:
+        return routing.session_affinity(self.table, key, loads)
+
+
+_POLICIES: dict[str, type[_Policy]] = {
+    "least_load": _LeastLoad, "prefix_affinity": _PrefixAffinity, "session_affinity": _SessionAffinity}
+
+
+class _SummitRouter(RequestRouter):
+    """Shared plumbing: keep to the request's model, gather queue lengths, rank the replica its policy picks."""
+
     # Queue-length probes per routing decision before a silent replica counts as full.
     probe_attempts = 3
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._table = routing.AffinityTable()
+        self._policies: dict[str | None, _Policy] = {None: _LeastLoad()}
         self._rng = random.Random()
 
-    def initialize_state(self, max_tracked: int = routing.DEFAULT_MAX_TRACKED) -> None:
-        self._table = routing.AffinityTable(max_tracked)
-
-    def _key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
-        raise NotImplementedError
-
-    def _decide(self, key: str, loads: routing.Loads) -> str:
-        raise NotImplementedError
+    def _policy(self, model: str | None) -> _Policy:
+        return self._policies.get(model) or self._policies[None]
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -62,17 +108,18 @@ class _AffinityRouter(RequestRouter):
             # Without this Serve's retry loop re-asks at once, spinning while every choice is full.
             pending_request.routing_context.should_backoff = True
         request = _http_request(pending_request)
-        candidate_replicas = same_model(candidate_replicas, request.model if request else None)
+        model = request.model if request else None
+        candidate_replicas = same_model(candidate_replicas, model)
         if not candidate_replicas:  # the model's replicas have not reported yet: Serve asks again after a backoff
             return []
+        policy = self._policy(model)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = await self._loads(candidate_replicas)
-        key = None if request is None else self._key(request, pending_request)
-        chosen = routing.power_of_two(loads, self._rng) if key is None else self._decide(key, loads)
-        if key is not None and self.strict:
+        key = None if request is None else policy.key(request, pending_request)
+        chosen = routing.power_of_two(loads, self._rng) if key is None else policy.decide(key, loads)
+        if key is not None and policy.strict:
             return [[by_id[chosen]]]
         return [[by_id[chosen]], [r for rid, r in by_id.items() if rid != chosen]]
-
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Ongoing requests per replica from Serve's queue-length cache; stale entries are probed the way
@@ -100,15 +147,20 @@ class _AffinityRouter(RequestRouter):
             loads[r.replica_id.unique_id] = r.max_ongoing_requests
         return loads
 
+    def _forget_gone_replicas(self) -> None:
+        alive = [rid.unique_id for rid in self._replica_id_set]
+        for policy in self._policies.values():
+            policy.table.forget_replicas(alive)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
         super().update_replicas(replicas)
         if self._replica_id_set != before:
-            self._table.forget_replicas(rid.unique_id for rid in self._replica_id_set)
+            self._forget_gone_replicas()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._table.forget_replicas(rid.unique_id for rid in self._replica_id_set)
+        self._forget_gone_replicas()
 
 
 def _http_request(pending_request: PendingRequest | None) -> HTTPRequest | None:
@@ -125,54 +177,43 @@ def same_model(replicas: list[RunningReplica], model: str | None) -> list[Runnin
     return [r for r in replicas if r.routing_stats.get("model") == model]
 
 
-class LeastLoadRouter(_AffinityRouter):
-    """Power of two choices among the request's model's replicas (Serve's own router knows nothing of models)."""
+class _OnePolicyRouter(_SummitRouter):
+    """Every request of the deployment by one policy (its kwargs from `request_router_kwargs`)."""
 
-    def _key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
-        return None
+    policy: type[_Policy] = _LeastLoad
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._policies = {None: self.policy(**kwargs)}
+        if kwargs:
+            logger.info("%s for %s: %s", type(self).__name__, self._deployment_id, kwargs)
 
 
-class PrefixAffinityRouter(_AffinityRouter):
+class PrefixAffinityRouter(_OnePolicyRouter):
     """Requests whose prompts share a leading block go to the replica that holds that prefix in its KV cache."""
 
-    _prefix_chars = routing.DEFAULT_PREFIX_CHARS
-    _imbalance = routing.DEFAULT_IMBALANCE
-
-    def initialize_state(
-        self,
-        prefix_chars: int = routing.DEFAULT_PREFIX_CHARS,
-        imbalance: int = routing.DEFAULT_IMBALANCE,
-        max_tracked: int = routing.DEFAULT_MAX_TRACKED,
-    ) -> None:
-        super().initialize_state(max_tracked)
-        self._prefix_chars = prefix_chars
-        self._imbalance = imbalance
-        logger.info("PrefixAffinityRouter for %s: prefix_chars=%d imbalance=%d", self._deployment_id, prefix_chars, imbalance)
-
-    def _key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
-        return routing.prefix_key(routing.request_body(request.body), self._prefix_chars)
-
-    def _decide(self, key: str, loads: routing.Loads) -> str:
-        return routing.prefix_affinity(self._table, key, loads, self._imbalance)
+    policy = _PrefixAffinity
 
 
-class SessionAffinityRouter(_AffinityRouter):
+class SessionAffinityRouter(_OnePolicyRouter):
     """A session (`x-session-id` header, else Serve's session id, else `user`) stays on one replica while it lives."""
 
-    # A session waits for its replica rather than breaking; Serve's backpressure bounds the wait.
-    strict = True
-
-    def _key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
-        session_id = pending_request.metadata.session_id
-        # The header is enough most of the time: parse the body only when it is missing.
-        return routing.session_key(None, request.headers, session_id) or routing.session_key(routing.request_body(request.body), [])
-
-    def _decide(self, key: str, loads: routing.Loads) -> str:
-        return routing.session_affinity(self._table, key, loads)
+    policy = _SessionAffinity
 
 
-_ROUTERS: dict[str, tuple[type[_AffinityRouter], set[str]]] = {
-    "least_load": (LeastLoadRouter, {"max_tracked"}),
+class ModelPolicyRouter(_SummitRouter):
+    """A deployment hosting several models (the direct path's pool): each model's requests keep to its replicas and
+    go by that model's own policy, e.g. one model prefix_affinity, another session_affinity."""
+
+    def initialize_state(self, policies: dict[str, dict[str, Any]] | None = None) -> None:
+        self._policies = {None: _LeastLoad()}
+        for model, options in (policies or {}).items():
+            options = dict(options)
+            self._policies[model] = _POLICIES[options.pop("policy")](**options)
+        logger.info("ModelPolicyRouter for %s: %s", self._deployment_id, policies)
+
+
+_ROUTERS: dict[str, tuple[type[_OnePolicyRouter], set[str]]] = {
+    "least_load": (_OnePolicyRouter, {"max_tracked"}),  # Serve's own router on a one-model deployment
     "prefix_affinity": (PrefixAffinityRouter, {"prefix_chars", "imbalance", "max_tracked"}),
     "session_affinity": (SessionAffinityRouter, {"max_tracked"}),
 }
@@ -183,26 +224,39 @@ _ALL_KWARGS = set().union(*(accepted for _, accepted in _ROUTERS.values()))
 MODEL_STATS_PERIOD_S = 1.0
 
 
-def request_router_options(policy: str, *, models_per_deployment: int = 1, **kwargs: Any) -> dict[str, Any]:
-    """Deployment options selecting `policy`'s router:
-    `{"request_router_config": {"request_router_class": "<module>.<Class>", "request_router_kwargs": {...}}}`, or `{}`
-    for least_load on a one-model deployment (Serve's default router). A deployment hosting several models always
-    gets a Summit router (it keeps each request to its model's replicas) and the replicas' model every second.
-
-    Kwargs meant for another policy are dropped (a RoutingOptions model carries them all); unknown ones fail.
-    """
+def _policy_kwargs(policy: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     unknown = set(kwargs) - _ALL_KWARGS
     if unknown:
         raise ValueError(f"unknown routing option(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(_ALL_KWARGS))}")
     if policy not in _ROUTERS:
         raise ValueError(f"unknown routing policy {policy!r}; known: {', '.join(_ROUTERS)}")
-    if policy == "least_load" and models_per_deployment == 1:
+    return {k: v for k, v in kwargs.items() if k in _ROUTERS[policy][1]}
+
+
+def request_router_options(policy: str, **kwargs: Any) -> dict[str, Any]:
+    """Deployment options selecting `policy`'s router for a deployment of one model:
+    `{"request_router_config": {"request_router_class": "<module>.<Class>", "request_router_kwargs": {...}}}`, or `{}`
+    for least_load (Serve's default router).
+
+    Kwargs meant for another policy are dropped (a RoutingOptions model carries them all); unknown ones fail.
+    """
+    accepted = _policy_kwargs(policy, kwargs)
+    if policy == "least_load":
         return {}
-    router, accepted = _ROUTERS[policy]
-    config: dict[str, Any] = {
-        "request_router_class": f"{router.__module__}.{router.__qualname__}",
-        "request_router_kwargs": {k: v for k, v in kwargs.items() if k in accepted},
-    }
-    if models_per_deployment > 1:
-        config["request_routing_stats_period_s"] = MODEL_STATS_PERIOD_S
-    return {"request_router_config": config}
+    router = _ROUTERS[policy][0]
+    return {"request_router_config": {"request_router_class": f"{router.__module__}.{router.__qualname__}",
+                                      "request_router_kwargs": accepted}}
+
+
+def pool_router_options(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Deployment options of a deployment hosting several models: `ModelPolicyRouter` with each model's policy and
+    kwargs (`{model: {"policy": ..., **kwargs}}`), and the replicas' model reported every second."""
+    per_model = {}
+    for model, options in policies.items():
+        options = dict(options)
+        policy = options.pop("policy", "least_load")
+        per_model[model] = {"policy": policy, **_policy_kwargs(policy, options)}
+    return {"request_router_config": {
+        "request_router_class": f"{ModelPolicyRouter.__module__}.{ModelPolicyRouter.__qualname__}",
+        "request_router_kwargs": {"policies": per_model},
+        "request_routing_stats_period_s": MODEL_STATS_PERIOD_S}}

@@ -4,7 +4,8 @@ picker chooses each request's replica by the body's model), on the real engine.
 One base URL serves both: each answer comes from a replica of the model the body names; nothing sits between
 HAProxy and the engine replicas (no OpenAIIngress; HAProxy's config pins requests to the engine replicas' ports);
 a body longer than HAProxy's routing buffer (its model cut off) is still answered by its model; a client that
-leaves a stream aborts the engine request; a YAML whose models differ in shape falls back to the two-hop path.
+leaves a stream aborts the engine request; a YAML whose models differ in shape falls back to the two-hop path, where
+a dead engine is answered 503 + Retry-After and replaced.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from tests.cpu.engine_apps import APP, deployed, deployment_details, tiny_model, wait_for
+from tests.engine_checks import kill_engine_and_wait_for_answers
 from tests.replica_probe import probe
 
 MODELS = ["tiny-a", "tiny-b"]
@@ -119,3 +121,9 @@ def test_models_of_different_shapes_fall_back_to_two_hops(tiny_model_dir):
             r = httpx.post(cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2},
                            timeout=60)
             assert r.status_code == 200 and r.json()["model"] == name
+        # a dead engine on this path too: clean 503s from the replica's front through the ingress, then a new replica
+        before = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
+        (replica_id, stats), = before.items()
+        kill_engine_and_wait_for_answers(cluster.base_url, "tiny-c", stats["pid"])
+        after = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
+        assert replica_id not in after

@@ -1,4 +1,5 @@
-"""Routing policies on real engines: two models in one app, each with 2 replicas of the tiny model (4 engines).
+"""Routing policies on real engines, on the direct path: two models in one app, each with 2 replicas of the tiny
+model (4 engines in one engine deployment; HAProxy asks the route picker, whose router applies each model's policy).
 
 - `tiny-prefix` (prefix_affinity): distinct prefixes spread, a prefix's repeats stay on one replica, and that
   replica's vLLM prefix cache really hits (read from vLLM's own counters); a hot prefix spills to the other replica.
@@ -23,6 +24,7 @@ from app.tiny_model import _WORDS, make_tiny_model
 from tests.cpu.engine_apps import APP, deployed, running_replicas, tiny_model, wait_for
 
 PREFIX, SESSION = "tiny-prefix", "tiny-session"
+POOL = f"LLMServer:{PREFIX}+{SESSION}"
 KV_BLOCK = 128  # vLLM's CPU KV block (tokens); the prefix cache reuses whole blocks only
 HOT_IMBALANCE = 2
 PREFIX_MAX_LEN = 8192
@@ -37,9 +39,8 @@ def summit2(tiny_model_dir, tmp_path_factory):
                    routing={"policy": "prefix_affinity", "imbalance": HOT_IMBALANCE}, source=str(long_dir)),
         tiny_model(SESSION, {"enable_prefix_caching": True}, {"num_replicas": 2}, routing={"policy": "session_affinity"}),
     ]
-    with deployed(models, tiny_model_dir) as cluster:
-        assert wait_for(lambda: len(running_replicas(cluster, f"LLMServer:{PREFIX}")) == 2
-                        and len(running_replicas(cluster, f"LLMServer:{SESSION}")) == 2, 300)
+    with deployed(models, tiny_model_dir, haproxy=True) as cluster:
+        assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 4, 300)
         yield cluster
 
 
@@ -65,8 +66,24 @@ def replica_of(r: httpx.Response) -> str:
     return r.headers["x-summit-replica"]
 
 
+def of_model(model: str, method: str, cluster) -> dict[str, dict]:
+    """`method`'s answer from each replica of the pool that serves `model`."""
+    answers = probe(cluster.address, "each", APP, POOL, method, "--replicas", "4")
+    return {replica: a for replica, a in answers.items() if a["model"] == model}
+
+
 def cache_counters(cluster) -> dict[str, dict]:
-    return probe(cluster.address, "each", APP, f"LLMServer:{PREFIX}", "prefix_cache_stats", "--replicas", "2")
+    return of_model(PREFIX, "prefix_cache_stats", cluster)
+
+
+def test_the_models_share_one_direct_engine_deployment(summit2):
+    deployments = summit2.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"]
+    assert set(deployments) == {POOL, "RoutePicker"}  # no OpenAIIngress: HAProxy -> engine replica
+    router = deployments[POOL]["deployment_config"]["request_router_config"]
+    assert router["request_router_class"] == "deployments.routers.ModelPolicyRouter"
+    assert {m: p["policy"] for m, p in router["request_router_kwargs"]["policies"].items()} == {
+        PREFIX: "prefix_affinity", SESSION: "session_affinity"}
+    assert len(cache_counters(summit2)) == 2 and len(of_model(SESSION, "stats", summit2)) == 2
 
 
 def test_two_models_listed_served_and_unknown_named(http):
@@ -167,10 +184,10 @@ def test_a_killed_replicas_sessions_move_the_others_stay(summit2, http):
     homes = {s: session_home(http, s) for s in sessions}
     assert len(set(homes.values())) == 2
     victim = homes[sessions[0]]
-    stats = probe(summit2.address, "each", APP, f"LLMServer:{SESSION}", "stats", "--replicas", "2")
+    stats = of_model(SESSION, "stats", summit2)
     engine_procs = psutil.Process(stats[victim]["pid"]).children(recursive=True)
 
-    probe(summit2.address, "kill", APP, f"LLMServer:{SESSION}", victim)
+    probe(summit2.address, "kill", APP, POOL, victim)
     moved: dict[str, str] = {}
 
     def all_answered() -> bool:  # the first requests after the kill may get 503 until Serve drops the replica
@@ -193,3 +210,6 @@ def test_a_killed_replicas_sessions_move_the_others_stay(summit2, http):
     for proc in alive:
         proc.kill()
     assert not alive, f"engine processes outlived their killed replica: {[p.pid for p in alive]}"
+    # Serve gives the replacement the killed replica's rank, so it serves the same model: two engines a model again
+    assert wait_for(lambda: len(running_replicas(summit2, POOL)) == 4, 300)
+    assert len(of_model(SESSION, "stats", summit2)) == 2 and len(cache_counters(summit2)) == 2

@@ -1,10 +1,11 @@
-"""Autoscaling and backpressure on real engines: one app, two tiny-model deployments (at most 3 engines).
+"""Autoscaling and backpressure on a real engine, on the direct path (HAProxy -> the replicas; at most 2 engines).
 
-- `tiny-scale`: autoscaling_config with only the replica bounds and short delays given; the target comes from
-  the engine's max_num_seqs (4 → 3). Long streams scale it 1 → 2, and it returns to 1 when they end.
-- `tiny-bp`: one replica, max_ongoing_requests 2, max_queued_requests 1, overload answered 429 + Retry-After 2.
-  A burst of streams gets some OpenAI-shaped 429s at once (none waits unbounded), the rest complete, and the
-  model serves again afterwards.
+`tiny-scale`: autoscaling_config with only the replica bounds and short delays given (the target comes from the
+engine's max_num_seqs: 4 -> 3), max_ongoing_requests 4, max_queued_requests 2, overload answered 429 + Retry-After 2.
+- Long requests from 5 clients (over the target, under the 6 a replica admits) scale it 1 -> 2 without an error, and it
+  returns to 1 when they end.
+- A burst of 16 streams gets OpenAI-shaped 429s at once from the replica's front (none waits unbounded), the rest
+  complete, and the model serves again afterwards.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.cpu.engine_apps import deployed, deployment_details, running_replicas, tiny_model, wait_for
+from app.deployment_options import FRONT_BOUNDS_ONGOING
+from tests.cpu.engine_apps import deployed, running_replicas, tiny_model, wait_for
 
-SCALE, BP = "tiny-scale", "tiny-bp"
+SCALE = "tiny-scale"
+DEPLOYMENT = f"LLMServer:{SCALE}"
+ONGOING, QUEUED = 4, 2
 # Serve's handles and replicas report load every 10 s by default: too slow for a short test.
 FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
@@ -25,13 +29,12 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 
 @pytest.fixture(scope="module")
 def summit_scaling(tiny_model_dir):
-    models = [
-        tiny_model(SCALE, {"max_num_seqs": 4}, {"autoscaling_config": {
-            "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 4, "look_back_period_s": 2}}),
-        tiny_model(BP, {"max_num_seqs": 4}, {"num_replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 1,
-                                              "overload_status_code": 429, "retry_after_s": 2}),
-    ]
-    with deployed(models, tiny_model_dir, env=FAST_METRICS) as cluster:
+    models = [tiny_model(SCALE, {"max_num_seqs": 4}, {
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 4,
+                               "look_back_period_s": 2},
+        "max_ongoing_requests": ONGOING, "max_queued_requests": QUEUED, "overload_status_code": 429,
+        "retry_after_s": 2})]
+    with deployed(models, tiny_model_dir, env=FAST_METRICS, haproxy=True) as cluster:
         yield cluster
 
 
@@ -48,14 +51,18 @@ def long_stream(http: httpx.Client, model: str, max_tokens: int) -> tuple[int, d
         return r.status_code, dict(r.headers), "\n".join(r.iter_lines())
 
 
-def test_derived_target_reaches_serve(summit_scaling):
-    config = deployment_details(summit_scaling, f"LLMServer:{SCALE}")["deployment_config"]
-    assert config["autoscaling_config"]["target_ongoing_requests"] == 3  # ceil(0.75 × max_num_seqs 4)
-    assert config["max_ongoing_requests"] == 4
+def test_derived_target_reaches_serve_on_the_direct_path(summit_scaling):
+    details = summit_scaling.dashboard_get("/api/serve/applications/")["applications"]["summit"]
+    assert details["deployments"][DEPLOYMENT]["deployment_config"]["autoscaling_config"]["target_ongoing_requests"] == 3
+    # the engine deployment is the HTTP ingress (no OpenAIIngress; one model on least_load: no route picker either);
+    # Serve passes every request on, the replica's front bounds running + queued
+    assert set(details["deployments"]) == {DEPLOYMENT}
+    config = details["deployments"][DEPLOYMENT]["deployment_config"]
+    assert (config["max_ongoing_requests"], config["max_queued_requests"]) == (FRONT_BOUNDS_ONGOING, -1)
 
 
 def test_scales_up_under_load_and_back_down(summit_scaling, http):
-    deployment = f"LLMServer:{SCALE}"
+    deployment = DEPLOYMENT
     assert wait_for(lambda: len(running_replicas(summit_scaling, deployment)) == 1, 60)
     stop = threading.Event()
     answered: set[str] = set()
@@ -75,8 +82,8 @@ def test_scales_up_under_load_and_back_down(summit_scaling, http):
             else:
                 errors.append(f"{r.status_code} {r.text[:200]}")
 
-    with ThreadPoolExecutor(8) as pool:  # 8 ongoing on a 4-sequence engine, against a target of 3
-        workers = [pool.submit(keep_loading) for _ in range(8)]
+    with ThreadPoolExecutor(5) as pool:  # 5 ongoing against a target of 3, under the 6 one replica admits
+        workers = [pool.submit(keep_loading) for _ in range(5)]
         try:
             # a second engine starts in 1-2 minutes on 2 busy cores
             scaled = wait_for(lambda: len(running_replicas(summit_scaling, deployment)) == 2, 300, interval_s=1)
@@ -96,14 +103,14 @@ def test_scales_up_under_load_and_back_down(summit_scaling, http):
 
 
 def test_overload_is_answered_429_with_retry_after_and_recovers(http):
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda _: long_stream(http, BP, 300), range(8)))  # none may hang: the client times out
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: long_stream(http, SCALE, 300), range(16)))  # none may hang: the client times out
     statuses = sorted(status for status, _, _ in results)
     ok = [body for status, _, body in results if status == 200]
     rejected = [(headers, body) for status, headers, body in results if status == 429]
     assert len(ok) + len(rejected) == len(results), f"unexpected statuses: {statuses}"
-    # 2 running + 1 queued fit at once (Serve may reject a little early under a burst); the rest are refused now
-    assert ok and len(rejected) >= 1, statuses
+    # 4 running + 2 queued fit on a replica (12 if a second one is up); the rest are refused at once
+    assert ok and len(rejected) >= 16 - 2 * (ONGOING + QUEUED), statuses
     for headers, body in rejected:
         assert headers["retry-after"] == "2"
         error = httpx.Response(429, content=body).json()["error"]
@@ -112,5 +119,5 @@ def test_overload_is_answered_429_with_retry_after_and_recovers(http):
         assert body.rstrip().endswith("data: [DONE]")
 
     for _ in range(3):  # the burst is over: the model serves again, no longer rejecting
-        r = http.post("/v1/completions", json={"model": BP, "prompt": "Hello again", "max_tokens": 4})
+        r = http.post("/v1/completions", json={"model": SCALE, "prompt": "Hello again", "max_tokens": 4})
         assert r.status_code == 200, r.text

@@ -23,7 +23,7 @@ PLATFORM = {"SUMMIT_VLLM_CPU_RAY": "1"}
 
 @pytest.fixture(scope="module")
 def tp2_app(tiny_model_dir):
-    cluster = LocalCluster(num_cpus=4, num_gpus=2, env=PLATFORM)
+    cluster = LocalCluster(num_cpus=4, num_gpus=2, env=PLATFORM, haproxy=True)  # one model: the direct path
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
     application = config["applications"][0]
     application["runtime_env"]["env_vars"].pop("VLLM_CPU_KVCACHE_SPACE", None)

@@ -51,7 +51,7 @@ def llama8b_model(model_dirs) -> dict:
 
 @pytest.fixture(scope="session")
 def gpu_cluster():
-    cluster = LocalCluster(num_cpus=8, num_gpus=_cuda_devices())
+    cluster = LocalCluster(num_cpus=8, num_gpus=_cuda_devices(), haproxy=True)  # the direct path
     try:
         yield cluster.start()
     finally:

@@ -10,16 +10,19 @@ import json
 import httpx
 import pytest
 
-from deployments.front import ReplicaFront
+from deployments.front import Admission, ReplicaFront
 
 
 class EchoEngineApp:
     """A fake engine app: echoes what it received; `/v1/models` lists one model; a body {"fail": N} answers N
-    with a FastAPI-style error; {"wait": true} blocks until the client disconnects and records it."""
+    with a FastAPI-style error; {"wait": true} blocks until the client disconnects and records it; {"hold": true}
+    answers once `gate` is set (`running` counts those held)."""
 
     def __init__(self):
         self.seen: list[dict] = []
         self.disconnected = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.running = 0
 
     async def __call__(self, scope, receive, send):
         message = await receive()
@@ -34,6 +37,10 @@ class EchoEngineApp:
                 if (await receive())["type"] == "http.disconnect":
                     self.disconnected.set()
                 return
+            if payload.get("hold"):
+                self.running += 1
+                await self.gate.wait()
+                self.running -= 1
             status = payload.get("fail", 200)
             out = {"detail": "engine says no"} if status >= 400 else {"echo": payload, "headers": len(scope["headers"])}
         data = json.dumps(out).encode()
@@ -216,3 +223,53 @@ def test_an_engine_that_dies_under_a_request_answers_503():
     r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a"}))
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "ServiceUnavailableError" and "replaced" in r.json()["error"]["message"]
+
+
+def test_admission_runs_ongoing_queues_queued_and_rejects_the_rest_openai_shaped():
+    """The direct path's bound (Serve's own rejection there is plain text): 2 run, 1 waits, the 4th and 5th are
+    answered 429 + Retry-After at once; when the engine answers, the waiting one runs and all admitted complete."""
+    async def scenario():
+        app, engine = front()
+        app.admission = Admission(ongoing=2, queued=1, status=429, retry_after_s=1.5)
+        body = {"model": "a", "prompt": "x", "hold": True}
+        admitted = [asyncio.create_task(call(app, "POST", "/v1/completions", body)) for _ in range(3)]
+        while engine.running < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert engine.running == 2  # the third waits in the front, not in the engine
+        rejected = [await call(app, "POST", "/v1/completions", body) for _ in range(2)]
+        engine.gate.set()
+        done = await asyncio.gather(*admitted)
+        after = await call(app, "POST", "/v1/completions", {"model": "a", "prompt": "y"})
+        return rejected, done, after, len(engine.seen)
+
+    rejected, done, after, reached_engine = asyncio.run(scenario())
+    for r in rejected:
+        assert r.status_code == 429 and r.headers["retry-after"] == "2"
+        error = r.json()["error"]
+        assert error["type"] == "RateLimitError" and error["code"] == 429 and "overloaded" in error["message"]
+    assert [r.status_code for r in done] == [200, 200, 200] and after.status_code == 200
+    assert reached_engine == 4  # the rejected two never reached the engine
+
+
+def test_a_client_that_leaves_while_queued_frees_its_place():
+    async def scenario():
+        app, engine = front()
+        app.admission = Admission(ongoing=1, queued=1, status=503, retry_after_s=1)
+        body = {"model": "a", "prompt": "x", "hold": True}
+        first = asyncio.create_task(call(app, "POST", "/v1/completions", body))
+        while engine.running < 1:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(call(app, "POST", "/v1/completions", body))
+        await asyncio.sleep(0.05)
+        full = await call(app, "POST", "/v1/completions", body)
+        waiting.cancel()  # the queued client goes
+        await asyncio.sleep(0.05)
+        queued_again = asyncio.create_task(call(app, "POST", "/v1/completions", body))
+        await asyncio.sleep(0.05)
+        engine.gate.set()
+        return full, await first, await queued_again
+
+    full, first, queued_again = asyncio.run(scenario())
+    assert full.status_code == 503 and full.json()["error"]["type"] == "ServiceUnavailableError"
+    assert first.status_code == 200 and queued_again.status_code == 200

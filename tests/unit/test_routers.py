@@ -13,11 +13,12 @@ import uuid
 
 import pytest
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from deployments.protocol import HTTPRequest
-from deployments.routers import PrefixAffinityRouter, SessionAffinityRouter, request_router_options
+from deployments.routers import ModelPolicyRouter, PrefixAffinityRouter, SessionAffinityRouter, request_router_options
 
 DEPLOYMENT = DeploymentID(name="LLMServer:fake", app_name="summit")
 
@@ -159,13 +160,42 @@ def test_a_replica_slow_to_answer_the_probe_counts_by_its_load_not_as_full():
     asyncio.run(scenario())
 
 
-def test_several_models_in_one_deployment_always_get_a_summit_router_and_model_stats():
-    from deployments.routers import MODEL_STATS_PERIOD_S, request_router_options
+def test_several_models_in_one_deployment_get_the_model_policy_router_and_model_stats():
+    from deployments.routers import MODEL_STATS_PERIOD_S, pool_router_options
 
-    assert request_router_options("least_load") == {}
-    config = request_router_options("least_load", models_per_deployment=2)["request_router_config"]
-    assert config["request_router_class"] == "deployments.routers.LeastLoadRouter"
-    assert config["request_routing_stats_period_s"] == MODEL_STATS_PERIOD_S
+    options = pool_router_options({"a": {"policy": "least_load", "prefix_chars": 8},
+                                   "b": {"policy": "prefix_affinity", "prefix_chars": 8}})
+    config = RequestRouterConfig(**options["request_router_config"])
+    assert config.get_request_router_class().__name__ == "ModelPolicyRouter"
+    assert config.request_router_kwargs == {"policies": {"a": {"policy": "least_load"},
+                                                         "b": {"policy": "prefix_affinity", "prefix_chars": 8}}}
+    assert config.request_routing_stats_period_s == MODEL_STATS_PERIOD_S
+    with pytest.raises(ValueError, match="nearest"):
+        pool_router_options({"a": {"policy": "nearest"}})
+
+
+def test_each_model_of_a_shared_deployment_is_routed_by_its_own_policy():
+    """`s` sticks sessions to a replica of its own; `l` (least load) ignores the session; neither leaves its model."""
+    async def scenario():
+        s1, s2, l1, l2 = (FakeReplica(n) for n in ("s1", "s2", "l1", "l2"))
+        for r, model in ((s1, "s"), (s2, "s"), (l1, "l"), (l2, "l")):
+            r.routing_stats = {"model": model}
+        router = make_router(ModelPolicyRouter, [s1, s2, l1, l2],
+                             policies={"s": {"policy": "session_affinity"}, "l": {"policy": "least_load"}})
+
+        def req(model: str, session: str) -> PendingRequest:
+            p = pending({"model": model, "prompt": "x"}, headers=[(b"x-session-id", session.encode())])
+            p.args[0].model = model
+            return p
+
+        sessions = {k: {await route(router, req("s", k)) for _ in range(4)} for k in ("u1", "u2", "u3", "u4")}
+        set_load(router, l1, 9)
+        least = {await route(router, req("l", "u1")) for _ in range(4)}
+        return sessions, least
+
+    sessions, least = asyncio.run(scenario())
+    assert all(len(chosen) == 1 and chosen <= {"s1", "s2"} for chosen in sessions.values()), sessions
+    assert least == {"l2"}  # the session key means nothing to `l`: by load, among its own replicas
 
 
 def test_same_model_keeps_a_request_to_its_models_replicas():
