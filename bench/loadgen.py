@@ -29,6 +29,8 @@ class LoadResult:
     errors: int
     # CPU seconds the serving processes (the server's whole process tree: engine included) used during the load
     serving_cpu_s: float | None = None
+    # ... the largest shares of it, by process role
+    cpu_breakdown: list[tuple[str, float]] | None = None
 
     @property
     def tok_per_s(self) -> float:
@@ -49,8 +51,8 @@ class LoadResult:
         return round(self.serving_cpu_s / self.output_tokens * 1000, 3)
 
 
-def tree_cpu_s(root_pid: int) -> dict[tuple[int, float], float]:
-    """User + system CPU seconds of each live process in `root_pid`'s tree, keyed by (pid, start time)."""
+def tree_cpu_s(root_pid: int) -> dict[tuple[int, float, str], float]:
+    """User + system CPU seconds of each live process in `root_pid`'s tree, keyed by (pid, start time, role)."""
     import psutil
 
     out = {}
@@ -62,10 +64,35 @@ def tree_cpu_s(root_pid: int) -> dict[tuple[int, float], float]:
     for proc in procs:
         try:
             t = proc.cpu_times()
-            out[(proc.pid, proc.create_time())] = t.user + t.system
+            out[(proc.pid, proc.create_time(), _process_label(proc))] = t.user + t.system
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _process_label(proc) -> str:
+    """A process's role, for the CPU breakdown: Ray's actor title (ray::ServeReplica:..., ray::HAProxyManager...),
+    a vLLM process title (VLLM::EngineCore), or the program's name (gcs_server, raylet, haproxy, python)."""
+    name = proc.name()
+    try:
+        cmd = proc.cmdline()
+    except Exception:  # noqa: BLE001
+        cmd = []
+    first = cmd[0] if cmd else name
+    if first.startswith(("ray::", "VLLM::")):
+        return first.split(".")[0].split(" ")[0]
+    if name in ("python", "python3") and len(cmd) > 1:
+        script = next((c for c in cmd[1:] if c.endswith(".py") or c.startswith("vllm.")), cmd[1])
+        return f"python {script.rsplit('/', 1)[-1]}"
+    return name
+
+
+def cpu_by_process(before: dict, after: dict, top: int = 8) -> list[tuple[str, float]]:
+    """The processes' roles that used the most CPU seconds between two `tree_cpu_s` snapshots."""
+    by_label: dict[str, float] = {}
+    for key, t in after.items():
+        by_label[key[2]] = by_label.get(key[2], 0.0) + t - before.get(key, 0.0)
+    return sorted(by_label.items(), key=lambda kv: -kv[1])[:top]
 
 
 def cpu_used_s(before: dict, after: dict) -> float:
@@ -93,12 +120,15 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
         return ttft, tokens, r.headers.get("x-summit-replica")
 
 
-async def run_load(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> LoadResult:
-    """Send every prompt once (completions, streamed, ignore_eos) with `concurrency` in flight."""
-    url = base_url + "/v1/completions"
+async def run_load(base_url: str | list[str], model: str | list[str], prompts: list[str], concurrency: int,
+                   max_tokens: int) -> LoadResult:
+    """Send every prompt once (completions, streamed, ignore_eos) with `concurrency` in flight. With several models,
+    prompt i asks model i mod n; with as many base URLs as models, model i goes to URL i (one server per model)."""
+    models = [model] if isinstance(model, str) else list(model)
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
     queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    for i, p in enumerate(prompts):
+        queue.put_nowait((p, models[i % len(models)], urls[i % len(models) % len(urls)] + "/v1/completions"))
     ttfts: list[float] = []
     totals = {"tokens": 0, "errors": 0}
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -106,8 +136,8 @@ async def run_load(base_url: str, model: str, prompts: list[str], concurrency: i
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def worker():
             while not queue.empty():
-                prompt = queue.get_nowait()
-                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                prompt, model_name, url = queue.get_nowait()
+                body = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                         "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
                 try:
                     ttft, tokens, _ = await stream_completion(client, url, body)
@@ -134,8 +164,8 @@ def _load_in_process(args: tuple) -> tuple[int, list[float], int, float, float]:
     return r.output_tokens, r.ttft_s, r.errors, t0, t0 + r.wall_s
 
 
-def run_load_processes(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                       processes: int) -> LoadResult:
+def run_load_processes(base_url: str | list[str], model: str | list[str], prompts: list[str], concurrency: int,
+                       max_tokens: int, processes: int) -> LoadResult:
     """`run_load` spread over `processes` client processes (one asyncio client tops out near one core: ~10k tok/s
     of SSE on the GPU host), prompts and streams dealt out evenly; wall time from the first start to the last end."""
     processes = max(1, min(processes, concurrency))

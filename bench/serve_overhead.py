@@ -9,7 +9,10 @@
 
 `summit` is Summit on its direct path (Serve's HAProxy -> the engine replica); `--hops` adds the two-hop path,
 `--rayllm` Ray Serve LLM 2.60 with its direct streaming (same HAProxy environment and engine settings).
-`--rounds N` alternates the peers N times and reports each one's median round.
+`--rounds N` alternates the peers N times and reports each one's median round. `--models N` serves N models of one
+shape (one engine each) and spreads the load over them: Summit as one application (one base URL, the direct path's
+route picker), vLLM as N api_servers (the client picks each model's server); Ray Serve LLM's direct streaming takes
+one model per application and is left out.
 Prints output tok/s and TTFT p50/p99 of each and Summit's ratio to vLLM. Not a test: nothing is asserted.
 `--json FILE` writes `[{peer, concurrency, out_tok_s, ttft_p50_ms, ttft_p99_ms, ...}]`.
 """
@@ -30,10 +33,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
-from bench.loadgen import LoadResult, cpu_used_s, make_prompts, run_load, run_load_processes, tree_cpu_s  # noqa: E402
+from bench.loadgen import LoadResult, cpu_by_process, cpu_used_s, make_prompts, run_load, run_load_processes, tree_cpu_s  # noqa: E402
 from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV  # noqa: E402
 
 MODEL = "bench-model"
+
+
+def model_names(ns: argparse.Namespace) -> list[str]:
+    return [MODEL] if ns.models == 1 else [f"{MODEL}-{k}" for k in range(ns.models)]
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -101,50 +108,64 @@ def hbm_bound_tok_s(model_dir: str, bandwidth_gbs: float) -> float:
     return bandwidth_gbs * 1e9 / streamed
 
 
-def run_loads(base_url: str, ns: argparse.Namespace, server_pid: int) -> list[LoadResult]:
-    """Each concurrency level's load, with the CPU the server's process tree (`server_pid`'s) used meanwhile."""
-    asyncio.run(run_load(base_url, MODEL, make_prompts(4, ns.prompt_words, seed=1), 4, 8))  # warm-up
+def run_loads(base_url: str | list[str], ns: argparse.Namespace, server_pids: list[int]) -> list[LoadResult]:
+    """Each concurrency level's load over the models, with the CPU the servers' process trees used meanwhile."""
+    models = model_names(ns)
+    asyncio.run(run_load(base_url, models, make_prompts(4 * len(models), ns.prompt_words, seed=1), 4, 8))  # warm-up
     results = []
     for c in ns.concurrency:
         n = ns.requests if ns.requests_per_stream is None else max(8, c * ns.requests_per_stream)
         prompts = make_prompts(n, ns.prompt_words)
-        before = tree_cpu_s(server_pid)
-        result = run_load_processes(base_url, MODEL, prompts, c, ns.max_tokens, ns.client_procs)
-        result.serving_cpu_s = cpu_used_s(before, tree_cpu_s(server_pid))
+        before = [tree_cpu_s(pid) for pid in server_pids]
+        result = run_load_processes(base_url, models, prompts, c, ns.max_tokens, ns.client_procs)
+        after = [tree_cpu_s(pid) for pid in server_pids]
+        result.serving_cpu_s = sum(cpu_used_s(b, a) for b, a in zip(before, after))
+        merged_before = {k: v for b in before for k, v in b.items()}
+        result.cpu_breakdown = cpu_by_process(merged_before, {k: v for a in after for k, v in a.items()})
+        print(f"  c={c}: {result.tok_per_s:.0f} tok/s; CPU s by process: "
+              + ", ".join(f"{name} {s:.1f}" for name, s in result.cpu_breakdown), flush=True)
         results.append(result)
     return results
 
 
 def bench_vllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1) -> tuple[float, list[LoadResult]]:
-    port = free_port()
+    """vLLM's api_server, one per model (`--models`), each on its own port."""
     flags = {**engine_kwargs(ns), "tensor_parallel_size": tp}
     if replicas > 1:
         flags["data_parallel_size"] = replicas
     if ns.accelerator == "gpu":  # what Summit's adapter sets for every GPU engine (no FlashInfer mnnvl all-reduce)
         flags["compilation_config"] = json.dumps({"pass_config": {"fuse_allreduce_rms": False}})
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", MODEL, "--host", LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log",
-           *cli_flags(flags)]
-    log = open(Path(tempfile.gettempdir()) / f"bench-vllm-{port}.log", "wb")
-    proc = subprocess.Popen(cmd, env=loopback_env(engine_env(ns)), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    servers: list[tuple[subprocess.Popen, str]] = []
     try:
-        ready = wait_http(f"http://{LOOPBACK}:{port}/v1/models", proc, ns.start_timeout)
-        return ready, run_loads(f"http://{LOOPBACK}:{port}", ns, proc.pid)
+        t0 = time.monotonic()
+        for name in model_names(ns):
+            port = free_port()
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                   "--served-model-name", name, "--host", LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log",
+                   *cli_flags(flags)]
+            log = open(Path(tempfile.gettempdir()) / f"bench-vllm-{port}.log", "wb")
+            servers.append((subprocess.Popen(cmd, env=loopback_env(engine_env(ns)), stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True), f"http://{LOOPBACK}:{port}"))
+        for proc, url in servers:
+            wait_http(url + "/v1/models", proc, ns.start_timeout)
+        ready = time.monotonic() - t0
+        return ready, run_loads([url for _, url in servers], ns, [proc.pid for proc, _ in servers])
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        for proc, _ in servers:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
 
 
 def bench_summit(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1,
                  haproxy: bool = False) -> tuple[float, list[LoadResult]]:
-    model = {"name": MODEL, "source": model_dir, "accelerator": ns.accelerator, "tensor_parallel_size": tp,
-             "gpus_per_node": max(tp, 1), "engine_kwargs": engine_kwargs(ns), "stream_coalesce_ms": ns.coalesce_ms,
-             "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas}}
+    models = [{"name": name, "source": model_dir, "accelerator": ns.accelerator, "tensor_parallel_size": tp,
+               "gpus_per_node": max(tp, 1), "engine_kwargs": engine_kwargs(ns), "stream_coalesce_ms": ns.coalesce_ms,
+               "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas}}
+              for name in model_names(ns)]
     config = {"proxy_location": "HeadOnly", "applications": [{
         "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
         "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
-        "args": {"models": [model]}}]}
+        "args": {"models": models}}]}
     return serve_peer(ns, config, engine_env(ns), haproxy)
 
 
@@ -156,7 +177,7 @@ def serve_peer(ns: argparse.Namespace, config: dict, env: dict[str, str], haprox
         cluster.start()
         cluster.serve_deploy(config, timeout_s=ns.start_timeout)
         ready = time.monotonic() - t0
-        return ready, run_loads(cluster.base_url, ns, cluster.proc.pid)  # `ray start --block`: every Ray process
+        return ready, run_loads(cluster.base_url, ns, [cluster.proc.pid])  # `ray start --block`: every Ray process
     finally:
         cluster.stop()
 
@@ -218,6 +239,8 @@ def main() -> None:
                    "median round (by tok/s at each concurrency)")
     p.add_argument("--rayllm", action="store_true", help="also Ray Serve LLM 2.60 with its direct streaming (one "
                    "model; see bench_rayllm for its extra dependencies)")
+    p.add_argument("--models", type=int, default=1, help="models of one shape, one engine each, the load spread over "
+                   "them (Summit: one application; vLLM: one api_server each; Ray Serve LLM: not with N > 1)")
     p.add_argument("--only", choices=["vllm", "summit", "summit-hops", "rayllm"], default=None)
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
@@ -242,6 +265,8 @@ def main() -> None:
              "summit": lambda ns, model_dir, tp, r: bench_summit(ns, model_dir, tp, r, haproxy=True),
              "summit-hops": bench_summit, "rayllm": bench_rayllm}
     wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set()) | ({"rayllm"} if ns.rayllm else set())
+    if ns.models > 1 and "rayllm" in wanted:
+        raise SystemExit("--rayllm takes one model: Ray Serve LLM 2.60's direct streaming serves one model per application")
     rounds: dict[str, list[tuple[float, list[LoadResult]]]] = {}
     for round_no in range(ns.rounds):
         for tp, replicas in layouts:
