@@ -12,7 +12,8 @@ from ray.serve import Application
 
 from app.config import SummitConfig
 from app.deployment_options import (engine_pool_options, ingress_deployment_options, llm_deployment_options,
-                                    pool_problem, replica_bundles, route_picker_options)
+                                    pool_problem, prefill_deployment_options, replica_bundles, route_picker_options,
+                                    serving_models)
 from app.placement import unplaceable
 from deployments.auth import load_api_keys
 from deployments.ingress import OpenAIIngress
@@ -53,7 +54,7 @@ def request_path(config: SummitConfig, haproxy: bool) -> tuple[str, str]:
     if config.ingress.path == "hops":
         return "hops", "ingress.path is hops"
     problem = None if haproxy else "RAY_SERVE_ENABLE_HA_PROXY is not 1 where Serve runs"
-    problem = problem or pool_problem(config.models)
+    problem = problem or pool_problem(serving_models(config.models))
     if problem is None:
         return "direct", "HAProxy -> engine replica"
     if config.ingress.path == "direct":
@@ -68,23 +69,32 @@ def build_app(args: dict[str, Any]) -> Application:
     direct (the engine deployment is the HTTP ingress behind HAProxy, a route picker chooses each request's replica)
     where it can be, else one engine deployment per model behind the OpenAIIngress (two hops)."""
     config = SummitConfig.model_validate(args)
-    options = {m.name: llm_deployment_options(m) for m in config.models}
+    problems = [p for m in config.models if (p := m.disaggregation_problem())]
+    if problems:
+        raise ValueError("; ".join(problems))
+    serving = serving_models(config.models)  # a disaggregated model answers from its decode pool
+    options = {m.name: llm_deployment_options(m) for m in serving}
+    options.update({f"{m.name} (prefill)": prefill_deployment_options(m) for m in config.models if m.disaggregation})
     wait_until_placeable(options, config.placement_wait_s)
     if config.auth is not None:  # fail the deploy now, naming the key, rather than each replica's start
         load_api_keys(config.auth.api_keys_env, config.auth.api_keys_file)
     path, why = request_path(config, haproxy_enabled())
     logger.info("Summit request path: %s (%s)", path, why)
+    # each disaggregated model's prefill pool, handed to the deployment of its decode side
+    prefill = {m.name: serve.deployment(LLMServer).options(**prefill_deployment_options(m))
+               .bind([(m.pd_side("prefill"), m.resolved_source())]) for m in config.models if m.disaggregation}
     if path == "direct":
-        models = [(m, m.resolved_source()) for m in config.models]
-        engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(config.models))
-        engines_app = engines.bind(models, config.auth)
+        models = [(m, m.resolved_source()) for m in serving]
+        engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(serving))
+        engines_app = engines.bind(models, config.auth, prefill)
         if len(models) == 1 and config.models[0].routing.policy == "least_load":
             return engines_app  # HAProxy's own choice (leastconn) is least-load: no routing call per request
         picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines_app)
         return engines_app._with_ingress_request_router(picker)
     servers = {
-        m.name: serve.deployment(LLMServer).options(**options[m.name]).bind([(m, m.resolved_source())])
-        for m in config.models
+        m.name: serve.deployment(LLMServer).options(**options[m.name]).bind(
+            [(m, m.resolved_source())], None, {m.name: prefill[m.name]} if m.name in prefill else None)
+        for m in serving
     }
     ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))
     return ingress.bind(servers, config.auth)

@@ -92,6 +92,24 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
     return options
 
 
+def serving_models(models: list[ModelConfig]) -> list[ModelConfig]:
+    """The configs the engine deployments that answer requests run: a disaggregated model's decode side, else the
+    model itself."""
+    return [m.pd_side("decode") if m.disaggregation else m for m in models]
+
+
+def engine_pools(model: ModelConfig) -> list[tuple[str, ModelConfig]]:
+    """(label, config) of each engine pool a model runs: itself, or its prefill and decode pools."""
+    if model.disaggregation is None:
+        return [(model.name, model)]
+    return [(f"{model.name} prefill", model.pd_side("prefill")), (f"{model.name} decode", model.pd_side("decode"))]
+
+
+def prefill_deployment_options(model: ModelConfig) -> dict[str, Any]:
+    """Serve options of a disaggregated model's prefill pool (`LLMServer:<name>:prefill`; not an HTTP entry)."""
+    return {**llm_deployment_options(model.pd_side("prefill")), "name": f"LLMServer:{model.name}:prefill"}
+
+
 # Options a model's own choice may set differently from another model's in one engine deployment (the deployment's
 # router applies each model's own routing policy).
 _PER_MODEL_OPTIONS = {"name", "num_replicas", "request_router_config"}

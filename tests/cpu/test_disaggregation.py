@@ -1,0 +1,192 @@
+"""Prefill/decode disaggregation on real engines, on the direct path, over vLLM's shared-storage KV connector.
+
+One app, three engines: `tiny-agg` (aggregated) and `tiny-pd` (disaggregated: `LLMServer:tiny-pd:prefill` computes
+the prompt and stores its KV; the decode side, in the app's engine deployment beside tiny-agg, loads it). Both
+models are the same tiny model, so at temperature 0 their answers must match token for token. What the decode
+engine took from the connector is read from its own counters (vLLM's external prefix-cache hits and prompt tokens
+by source), through `LLMServer.kv_transfer_stats`. Prompts are longer than one CPU KV block (128 tokens): shorter
+ones transfer nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from app.tiny_model import _WORDS
+from tests.cpu.engine_apps import APP, deployed, tiny_model, wait_for
+from tests.engine_checks import engine_core_processes
+from tests.replica_probe import probe
+
+AGG, PD = "tiny-agg", "tiny-pd"
+POOL = f"LLMServer:{AGG}+{PD}"
+PREFILL = f"LLMServer:{PD}:prefill"
+KV_BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def kv_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv")
+
+
+@pytest.fixture(scope="module")
+def pd_app(tiny_model_dir, kv_dir):
+    models = [tiny_model(AGG, {"max_model_len": 2048}),
+              tiny_model(PD, {"max_model_len": 2048}, disaggregation={
+                  "connector": "shared_storage", "connector_config": {"shared_storage_path": str(kv_dir)}})]
+    with deployed(models, tiny_model_dir, haproxy=True) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def http(pd_app):
+    with httpx.Client(base_url=pd_app.base_url, timeout=120) as client:
+        yield client
+
+
+def document(i: int, words: int = 220) -> str:
+    rng = random.Random(1000 + i)
+    return f"Note {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\n"
+
+
+def complete(http: httpx.Client, model: str, prompt: str, **extra) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
+                                              "temperature": 0, **extra})
+
+
+def decode_counters(cluster) -> dict:
+    answers = probe(cluster.address, "each", APP, POOL, "kv_transfer_stats", "--replicas", "2")
+    (stats,) = [a for a in answers.values() if a["model"] == PD]
+    return stats
+
+
+def test_the_model_runs_on_a_prefill_pool_and_a_decode_pool(pd_app):
+    deployments = pd_app.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"]
+    assert set(deployments) == {POOL, PREFILL, "RoutePicker"}  # the decode side is on the direct path
+
+
+def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_dir):
+    prompt = document(1)
+    n = len(http.post("/tokenize", json={"model": PD, "prompt": prompt}).json()["tokens"])
+    assert n > 2 * KV_BLOCK
+    before = decode_counters(pd_app)
+    agg, pd = complete(http, AGG, prompt), complete(http, PD, prompt)
+    assert agg.status_code == 200 and pd.status_code == 200, pd.text
+    assert pd.json()["choices"][0]["text"] == agg.json()["choices"][0]["text"]
+    assert pd.json()["usage"]["prompt_tokens"] == n and pd.json()["usage"]["completion_tokens"] == 16
+    after = decode_counters(pd_app)
+    loaded = after["external_hits"] - before["external_hits"]
+    computed = after["prompt_local_compute"] - before["prompt_local_compute"]
+    whole_blocks = KV_BLOCK * ((n - 1) // KV_BLOCK)  # the connector moves whole blocks of all but the last token
+    assert loaded == whole_blocks, (loaded, whole_blocks, after)
+    assert computed == n - whole_blocks, (computed, after)  # only the tail past the last whole block is computed
+    assert any(kv_dir.iterdir()), "the prefill engine stored no KV"
+
+
+def test_streams_chat_n_and_stop_behave_as_aggregated(http):
+    prompt = document(2)
+    bodies = {m: {"model": m, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stream": True}
+              for m in (AGG, PD)}
+    texts = {}
+    for model, body in bodies.items():
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        texts[model] = "".join(httpx.Response(200, content=line[6:]).json()["choices"][0]["text"] for line in lines[:-1])
+    assert texts[PD] == texts[AGG]
+
+    messages = [{"role": "user", "content": prompt}]
+    chats = {m: http.post("/v1/chat/completions", json={"model": m, "messages": messages, "max_tokens": 8,
+                                                         "temperature": 0}).json() for m in (AGG, PD)}
+    assert chats[PD]["choices"][0]["message"]["content"] == chats[AGG]["choices"][0]["message"]["content"]
+
+    r = complete(http, PD, prompt, n=2, seed=3, temperature=0.8)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    stop_word = texts[AGG].split()[2] if len(texts[AGG].split()) > 2 else None
+    if stop_word:
+        r = complete(http, PD, prompt, stop=[stop_word])
+        assert r.status_code == 200 and stop_word not in r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("extra, named", [({"echo": True}, "echo"), ({"prompt_logprobs": 1}, "prompt_logprobs")])
+def test_what_decode_only_cannot_give_is_a_400_naming_it(http, extra, named):
+    r = complete(http, PD, document(3), **extra)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and named in error["message"]
+    assert complete(http, AGG, document(3), **extra).status_code == 200  # the aggregated model gives it
+
+
+def test_a_bad_request_is_answered_as_vllm_answers_it(http):
+    r = complete(http, PD, document(4), max_tokens=-1)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+
+
+def test_corrupt_or_missing_stored_kv_is_recomputed(pd_app, http, kv_dir):
+    """Between the phases of a request: the shared-storage connector keys the stored KV by the prompt's tokens, and
+    its prefill side does not store a prompt whose folder exists. So a prompt's folder emptied (KV missing) or its
+    files overwritten (KV corrupt) after a first request is what the second request's decode finds."""
+    for i, damage in enumerate(["missing", "corrupt"]):
+        prompt = document(10 + i)
+        seen = set(kv_dir.iterdir())
+        expected = complete(http, AGG, prompt).json()["choices"][0]["text"]
+        assert complete(http, PD, prompt).status_code == 200
+        (folder,) = set(kv_dir.iterdir()) - seen
+        for f in folder.iterdir():
+            if damage == "missing":
+                f.unlink()
+            else:
+                f.write_bytes(b"\0garbage" * 64)
+        r = complete(http, PD, prompt)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
+    assert complete(http, PD, document(20)).status_code == 200  # the decode engine is still well
+
+
+def prefill_stats(cluster) -> dict:
+    (stats,) = probe(cluster.address, "each", APP, PREFILL, "stats", "--replicas", "1").values()
+    return stats
+
+
+def test_the_prefill_engine_holds_no_kv_once_its_requests_are_decoded(pd_app, http):
+    with ThreadPoolExecutor(4) as pool:
+        assert all(r.status_code == 200 for r in pool.map(lambda i: complete(http, PD, document(50 + i)), range(4)))
+    assert wait_for(lambda: (s := prefill_stats(pd_app))["num_unfinished_requests"] == 0 and s["kv_cache_usage"] == 0,
+                    30, interval_s=2), prefill_stats(pd_app)
+
+
+def test_a_prefill_engine_killed_with_requests_in_flight_falls_back_to_the_decode_engine(pd_app, http):
+    stats = prefill_stats(pd_app)
+    cores = engine_core_processes(stats["pid"])
+    assert cores
+    n = 6
+    expected = {i: complete(http, AGG, document(30 + i)).json()["choices"][0]["text"] for i in range(n)}
+    before = decode_counters(pd_app)
+    with ThreadPoolExecutor(n) as pool:  # the engine dies while these are in their prefill or queued for it
+        answers = [pool.submit(complete, http, PD, document(30 + i)) for i in range(n)]
+        time.sleep(0.2)
+        for proc in cores:
+            proc.kill()
+        answers = [a.result(timeout=120) for a in answers]  # never a hang
+    for i, r in enumerate(answers):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected[i]
+    for i in range(2):  # while the prefill replica is dead or restarting: the decode engine computes the prompt
+        r = complete(http, PD, document(40 + i))
+        assert r.status_code == 200, r.text
+    after = decode_counters(pd_app)
+    assert after["prompt_local_compute"] - before["prompt_local_compute"] > 2 * KV_BLOCK
+    # Serve replaces the prefill replica; the model is disaggregated again
+    def replaced() -> bool:
+        answers = probe(pd_app.address, "each", APP, PREFILL, "stats", "--replicas", "1")
+        return stats["replica_id"] not in answers
+    assert wait_for(replaced, 300, interval_s=5)
+    prompt = document(60)
+    before = decode_counters(pd_app)
+    assert complete(http, PD, prompt).status_code == 200
+    assert decode_counters(pd_app)["external_hits"] > before["external_hits"]

@@ -1,0 +1,211 @@
+"""Prefill/decode disaggregation without engines: the config (validated, each side derived), the deployments it
+becomes, `summit validate` sizing both pools, and the decode replica's front driving a fake prefill pool
+(`FakePrefill`, standing in for the prefill deployment's handle) around a fake engine app. The real engines and
+connector: tests/cpu/test_disaggregation.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from app.config import SummitConfig
+from app.deployment_options import engine_pools, prefill_deployment_options, serving_models
+from app.validate import Hardware, validate_doc
+from deployments.front import ReplicaFront
+from deployments.pd import Disaggregated
+from deployments.protocol import ResponseStart
+from deployments.replica_stream import ModelUnavailable
+
+
+def pd_model(**pd) -> dict:
+    return {"name": "m", "source": "/models/m", "accelerator": "cpu",
+            "disaggregation": {"connector": "shared_storage", **pd}}
+
+
+def error_text(model: dict) -> str:
+    with pytest.raises(ValidationError) as e:
+        SummitConfig.model_validate({"models": [model]})
+    return str(e.value)
+
+
+def test_each_side_is_the_model_with_its_own_settings_and_kv_transfer_config():
+    m = SummitConfig.model_validate({"models": [pd_model(
+        prefill={"deployment": {"num_replicas": 2}, "engine_kwargs": {"max_num_seqs": 4}},
+        connector_config={"shared_storage_path": "/kv"}, fallback="error")]}).models[0]
+    prefill, decode = m.pd_side("prefill"), m.pd_side("decode")
+    assert prefill.deployment.num_replicas == 2 and decode.deployment.num_replicas == 1
+    assert prefill.engine_args()["max_num_seqs"] == 4 and "max_num_seqs" not in decode.engine_kwargs
+    kv = {side: cfg.engine_args()["kv_transfer_config"] for side, cfg in (("p", prefill), ("d", decode))}
+    assert kv["p"]["kv_connector"] == kv["d"]["kv_connector"] == "ExampleConnector"
+    assert (kv["p"]["kv_role"], kv["d"]["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert kv["d"]["kv_connector_extra_config"] == {"shared_storage_path": "/kv"} and kv["d"]["kv_buffer_device"] == "cpu"
+    assert kv["d"].get("kv_load_failure_policy", "fail") == "fail"  # fallback: error
+    assert decode.disaggregation_fallback == "error" and prefill.disaggregation is None
+
+
+def test_what_pd_cannot_do_is_refused_naming_the_key():
+    assert "'nope' is not a KV connector" in error_text(pd_model(connector="nope"))
+    nixl = SummitConfig.model_validate({"models": [pd_model(connector="nixl")]}).models[0]  # valid YAML: `summit validate`
+    assert "nixl needs NIXL" in nixl.disaggregation_problem()  # ... but where the app is built without NIXL: refused
+    assert "disaggregation.prefill with tensor_parallel_size" in error_text(pd_model(prefill={"tensor_parallel_size": 2}))
+    assert "needs GPUs" in error_text(pd_model(kv_buffer_device="cuda"))
+    assert "replicas" in error_text(pd_model(decode={"replicas": 2}))
+    assert "engine_kwargs.max_num_seq" in error_text(pd_model(decode={"engine_kwargs": {"max_num_seq": 2}}))
+    text = error_text({**pd_model(), "engine_kwargs": {"kv_transfer_config": {}}})
+    assert "engine_kwargs.kv_transfer_config" in text and "disaggregation" in text
+
+
+def test_the_decode_side_serves_and_the_prefill_side_is_a_deployment_of_its_own():
+    config = SummitConfig.model_validate({"models": [pd_model(), {"name": "a", "source": "/models/a", "accelerator": "cpu"}]})
+    serving = serving_models(config.models)
+    assert [m.name for m in serving] == ["m", "a"]
+    assert serving[0].engine_kwargs["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert prefill_deployment_options(config.models[0])["name"] == "LLMServer:m:prefill"
+    assert [label for label, _ in engine_pools(config.models[0])] == ["m prefill", "m decode"]
+
+
+def test_validate_sizes_both_pools():
+    doc = {"applications": [{"import_path": "app.builder:build_app", "args": {"models": [{
+        "name": "llama", "source": "/nowhere", "model_preset": "llama-3.1-8b", "engine_kwargs": {"max_model_len": 8192},
+        "disaggregation": {"connector": "shared_storage", "kv_buffer_device": "cpu",
+                           "prefill": {"deployment": {"num_replicas": 2}}}}]}}]}
+    report = validate_doc(doc, Hardware("h100-80gb", 8, 1), env={})
+    assert report.ok, report.problems
+    text = "\n".join(report.lines)
+    assert "llama prefill: TP 1" in text and "llama decode: TP 1" in text
+    assert "GPUs: 3 of 8" in text  # 2 prefill replicas + 1 decode replica
+
+
+class FakeEngineApp:
+    """A fake engine app: records each body it runs and answers {"ran": body}."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+
+    async def __call__(self, scope, receive, send):
+        body = json.loads((await receive())["body"])
+        self.bodies.append(body)
+        data = json.dumps({"ran": body}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class FakePrefill:
+    """Stands in for the prefill deployment's handle: a response stream answering `status` and `body`, or raising
+    ModelUnavailable (`down`), or never answering (`hang`); records requests and cancels."""
+
+    def __init__(self, status=200, body=None, down=False, hang=False):
+        self.status, self.down, self.hang = status, down, hang
+        self.body = body if body is not None else {"choices": [{"text": "x"}], "kv_transfer_params": {"remote": 7}}
+        self.requests, self.cancelled = [], False
+
+    def __call__(self, request):
+        self.requests.append(json.loads(request.body))
+        fake = self
+
+        class Stream:
+            def __init__(self):
+                self.items = None
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                if fake.down:
+                    raise ModelUnavailable("the prefill replica is gone")
+                if fake.hang:
+                    await asyncio.sleep(3600)
+                if self.items is None:
+                    self.items = [ResponseStart(fake.status, []), json.dumps(fake.body).encode()]
+                if not self.items:
+                    raise StopAsyncIteration
+                return self.items.pop(0)
+
+            def cancel(self):
+                fake.cancelled = True
+
+        return Stream()
+
+
+def front(prefill: FakePrefill, fallback="aggregated"):
+    engine = FakeEngineApp()
+    app = ReplicaFront(engine, "m", ["m"], None, lambda: False, "replica-1")
+    app.disaggregated = Disaggregated(prefill, fallback)
+    return app, engine
+
+
+async def call(app, body):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+        return await client.post("/v1/completions", json=body)
+
+
+BODY = {"model": "m", "prompt": "p" * 300, "max_tokens": 50, "stream": True, "n": 2, "logprobs": 2}
+
+
+def test_the_prompt_is_prefilled_then_decoded_with_the_prefills_kv_params():
+    prefill = FakePrefill()
+    app, engine = front(prefill)
+    r = asyncio.run(call(app, BODY))
+    assert r.status_code == 200
+    (sent,) = prefill.requests
+    assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["kv_transfer_params"]["do_remote_decode"] is True
+    assert "n" not in sent and "logprobs" not in sent and sent["prompt"] == BODY["prompt"]
+    (ran,) = engine.bodies
+    assert ran == {**BODY, "kv_transfer_params": {"remote": 7}}  # the client's request, plus where its KV is
+
+
+@pytest.mark.parametrize("prefill", [FakePrefill(down=True), FakePrefill(status=503)])
+def test_a_failed_prefill_falls_back_to_the_decode_engine_or_503(prefill):
+    app, engine = front(prefill, "aggregated")
+    assert asyncio.run(call(app, BODY)).status_code == 200 and engine.bodies == [BODY]  # computes the prompt itself
+    app, engine = front(prefill, "error")
+    r = asyncio.run(call(app, BODY))
+    assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "ServiceUnavailableError"
+    assert engine.bodies == []
+
+
+def test_the_prefills_own_4xx_is_the_answer_and_decode_only_limits_are_named():
+    app, engine = front(FakePrefill(status=400, body={"detail": "max_tokens must be at least 1"}))
+    r = asyncio.run(call(app, BODY))
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"] and engine.bodies == []
+    app, engine = front(prefill := FakePrefill())
+    for extra, named in (({"echo": True}, "echo"), ({"prompt_logprobs": 0}, "prompt_logprobs")):
+        r = asyncio.run(call(app, {**BODY, **extra}))
+        assert r.status_code == 400 and named in r.json()["error"]["message"]
+    assert prefill.requests == [] and engine.bodies == []
+
+
+def test_a_client_leaving_during_the_prefill_cancels_it():
+    prefill = FakePrefill(hang=True)
+    app, engine = front(prefill)
+
+    async def scenario():
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(1)
+                return {"type": "http.request", "body": json.dumps(BODY).encode(), "more_body": False}
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            raise AssertionError(f"nothing should be sent to a client that left: {message}")
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+
+    asyncio.run(scenario())
+    assert prefill.cancelled and engine.bodies == []
+
+
+def test_building_the_app_where_the_connector_cannot_run_fails_naming_it():
+    from app.builder import build_app
+
+    with pytest.raises(ValueError, match=r"model 'm': disaggregation.connector: nixl needs NIXL"):
+        build_app({"models": [pd_model(connector="nixl")]})
