@@ -31,6 +31,8 @@ class LoadResult:
     serving_cpu_s: float | None = None
     # ... the largest shares of it, by process role
     cpu_breakdown: list[tuple[str, float]] | None = None
+    # time per output token after the first, per request (decode speed as each client saw it)
+    tpot_s: list[float] | None = None
 
     @property
     def tok_per_s(self) -> float:
@@ -43,7 +45,9 @@ class LoadResult:
         return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
                 "out_tok_s": round(self.tok_per_s, 1), "ttft_p50_ms": round(self.ttft_pct(50) * 1000, 1),
                 "ttft_p99_ms": round(self.ttft_pct(99) * 1000, 1), "wall_s": round(self.wall_s, 2),
-                **({} if self.serving_cpu_s is None else {"serving_cpu_s_per_1k_tok": self.cpu_per_1k_tok()})}
+                **({} if self.serving_cpu_s is None else {"serving_cpu_s_per_1k_tok": self.cpu_per_1k_tok()}),
+                **({} if not self.tpot_s else {"tpot_p50_ms": round(percentile(self.tpot_s, 50) * 1000, 2),
+                                               "tpot_p99_ms": round(percentile(self.tpot_s, 99) * 1000, 2)})}
 
     def cpu_per_1k_tok(self) -> float | None:
         if self.serving_cpu_s is None or not self.output_tokens:
@@ -101,10 +105,12 @@ def cpu_used_s(before: dict, after: dict) -> float:
     return sum(t - before.get(key, 0.0) for key, t in after.items())
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, int, str | None]:
-    """One streamed completion: (TTFT, completion tokens or -1 on an error status, replica that answered)."""
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict,
+                            timing: dict | None = None) -> tuple[float | None, int, str | None]:
+    """One streamed completion: (TTFT, completion tokens or -1 on an error status, replica that answered). `timing`,
+    if given, gets "tpot": seconds per output token after the first ((last text - first text) / (tokens - 1))."""
     start = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, last = None, 0, None
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -115,8 +121,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
-                ttft = time.perf_counter() - start
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                last = time.perf_counter() - start
+                if ttft is None:
+                    ttft = last
+        if timing is not None and ttft is not None and tokens > 1:
+            timing["tpot"] = (last - ttft) / (tokens - 1)
         return ttft, tokens, r.headers.get("x-summit-replica")
 
 
@@ -130,6 +140,7 @@ async def run_load(base_url: str | list[str], model: str | list[str], prompts: l
     for i, p in enumerate(prompts):
         queue.put_nowait((p, models[i % len(models)], urls[i % len(models) % len(urls)] + "/v1/completions"))
     ttfts: list[float] = []
+    tpots: list[float] = []
     totals = {"tokens": 0, "errors": 0}
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
 
@@ -139,10 +150,13 @@ async def run_load(base_url: str | list[str], model: str | list[str], prompts: l
                 prompt, model_name, url = queue.get_nowait()
                 body = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                         "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+                timing: dict = {}
                 try:
-                    ttft, tokens, _ = await stream_completion(client, url, body)
+                    ttft, tokens, _ = await stream_completion(client, url, body, timing)
                 except httpx.HTTPError:
                     ttft, tokens = None, -1
+                if "tpot" in timing:
+                    tpots.append(timing["tpot"])
                 if tokens < 0:
                     totals["errors"] += 1
                     continue
@@ -153,15 +167,15 @@ async def run_load(base_url: str | list[str], model: str | list[str], prompts: l
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return LoadResult(concurrency, len(prompts), totals["tokens"], wall, ttfts, totals["errors"])
+    return LoadResult(concurrency, len(prompts), totals["tokens"], wall, ttfts, totals["errors"], tpot_s=tpots)
 
 
-def _load_in_process(args: tuple) -> tuple[int, list[float], int, float, float]:
+def _load_in_process(args: tuple) -> tuple[int, list[float], int, float, float, list[float]]:
     base_url, model, prompts, concurrency, max_tokens, start_at = args
     time.sleep(max(0.0, start_at - time.time()))  # every client process starts at once
     t0 = time.time()
     r = asyncio.run(run_load(base_url, model, prompts, concurrency, max_tokens))
-    return r.output_tokens, r.ttft_s, r.errors, t0, t0 + r.wall_s
+    return r.output_tokens, r.ttft_s, r.errors, t0, t0 + r.wall_s, r.tpot_s
 
 
 def run_load_processes(base_url: str | list[str], model: str | list[str], prompts: list[str], concurrency: int,
@@ -178,7 +192,7 @@ def run_load_processes(base_url: str | list[str], model: str | list[str], prompt
         parts = pool.map(_load_in_process, jobs)
     wall = max(p[4] for p in parts) - min(p[3] for p in parts)
     return LoadResult(concurrency, len(prompts), sum(p[0] for p in parts), wall,
-                      [t for p in parts for t in p[1]], sum(p[2] for p in parts))
+                      [t for p in parts for t in p[1]], sum(p[2] for p in parts), tpot_s=[t for p in parts for t in p[5]])
 
 
 def make_prompts(n: int, words: int, seed: int = 0) -> list[str]:

@@ -91,8 +91,8 @@ def disaggregation_problem(connector: str) -> str | None:
     import importlib.util
 
     name = kv_connector(connector)
-    if name.startswith("Nixl") and importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu13") is None:
-        return f"{connector} needs NIXL (pip install nixl-cu13 where the engines run)"
+    if name.startswith("Nixl") and importlib.util.find_spec("nixl") is None:  # vLLM imports `nixl` (its CUDA build:
+        return f"{connector} needs NIXL (pip install nixl nixl-cu13 where the engines run)"  # nixl-cu12/cu13)
     if name.startswith("LMCache") and importlib.util.find_spec("lmcache") is None:
         return f"{connector} needs LMCache (pip install lmcache where the engines run)"
     return None
@@ -206,6 +206,7 @@ async def start_engine_app(args: Namespace) -> EngineApp:
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     _use_replica_placement_group(vllm_config)
+    _own_kv_side_channel(vllm_config)
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
@@ -223,6 +224,31 @@ async def start_engine_app(args: Namespace) -> EngineApp:
         engine.shutdown()
         raise
     return EngineApp(engine=engine, app=app)
+
+
+def _own_kv_side_channel(vllm_config, env: dict | None = None) -> None:
+    """NIXL's handshake listens on VLLM_NIXL_SIDE_CHANNEL_PORT (5600 by default) in every engine, on
+    VLLM_NIXL_SIDE_CHANNEL_HOST (localhost): two engines of one node would collide, and a decode engine on another
+    node could not reach it. Give each engine a free port and the node's Ray address, unless the environment sets them."""
+    env = os.environ if env is None else env
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or not (kv.kv_connector or "").startswith("Nixl"):
+        return
+    host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST")
+    if host is None:
+        try:
+            import ray
+
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        except Exception:  # noqa: BLE001 — outside Ray
+            host = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+    if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(sock.getsockname()[1])
 
 
 def _use_replica_placement_group(vllm_config) -> None:

@@ -7,6 +7,9 @@
 #   bash scripts/gpu_host.sh bench    # 8B shapes (dummy weights): TP 2 x 1 vs TP 1 x 2, Summit vs vLLM, 1/32/256
 #   bash scripts/gpu_host.sh bench1 PEER   # one GPU, 8B shapes: PEER = vllm | summit (direct) | summit-hops,
 #                                          # 1/32/256 streams, 8 client processes (one peer a call: each takes minutes)
+#   bash scripts/gpu_host.sh pd PEER       # two GPUs, 8B shapes, NIXL (wheels nixl + nixl-cu13 carried in .whl-nixl):
+#                                          # PEER = summit-pd | summit-agg | vllm-pd (bench/pd.py), 8/32/128 streams,
+#                                          # ~2k-token prompts, 256 out
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -61,5 +64,16 @@ bench1)
     --concurrency 1 32 256 --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
     --max-model-len 4096 --client-procs 8 --hops --only "$peer" --json "$out/gpu1-$peer.json" 2>&1 \
     | tee "$out/gpu1-$peer.log" ;;
+pd)
+  peer=${2:?usage: gpu_host.sh pd summit-pd|summit-agg|vllm-pd}
+  if compgen -G ".whl-nixl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl-nixl/*.whl
+    export PYTHONPATH=/tmp/site-extra:$PYTHONPATH
+  fi
+  python3 -c "import nixl._api" || { echo "NIXL does not import"; exit 3; }
+  python3 bench/pd.py --model-dir "$model8b" --accelerator gpu --load-format dummy --connector nixl \
+    --concurrency 8 32 128 --requests-per-stream 2 --prompt-words 1500 --max-tokens 256 --max-num-seqs 256 \
+    --max-model-len 8192 --client-procs 8 --only "$peer" --json "$out/gpu-pd-$peer.json" 2>&1 | tee "$out/gpu-pd-$peer.log"
+  grep -rl mnnvl /tmp/summit-ray-* /tmp/bench-pd-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -209,3 +209,23 @@ def test_building_the_app_where_the_connector_cannot_run_fails_naming_it():
 
     with pytest.raises(ValueError, match=r"model 'm': disaggregation.connector: nixl needs NIXL"):
         build_app({"models": [pd_model(connector="nixl")]})
+
+
+def test_each_nixl_engine_gets_its_own_side_channel_port_on_the_nodes_address():
+    from types import SimpleNamespace
+
+    from deployments.vllm_adapter import _own_kv_side_channel
+
+    nixl = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="NixlConnector"))
+    first, second = {}, {}
+    _own_kv_side_channel(nixl, first)
+    _own_kv_side_channel(nixl, second)
+    assert first["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert int(first["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0 and first["VLLM_NIXL_SIDE_CHANNEL_PORT"] != "5600"
+    given = {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2"}
+    _own_kv_side_channel(nixl, given)
+    assert given == {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2"}
+    untouched = {}
+    _own_kv_side_channel(SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="ExampleConnector")), untouched)
+    _own_kv_side_channel(SimpleNamespace(kv_transfer_config=None), untouched)
+    assert untouched == {}
