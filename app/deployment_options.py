@@ -163,9 +163,11 @@ def pool_model_index(rank: int, replicas_per_model: list[int]) -> int:
     return 0
 
 
-# How old a replica's load may be when the route picker decides (Serve's default, 10 s, is refreshed by requests sent
-# through the router; the picker sends none, so without this a hot prefix would not spill for up to 10 s).
-PICKER_LOAD_MAX_AGE_S = 0.25
+# How old a replica's load may be when the route picker decides. Serve's cache (10 s by default) is refreshed by the
+# replies to requests sent through the router; the picker sends none, so any age lets finished requests or missed
+# new ones decide (seen: a hot prefix that never spilled at 10 s, a prefix moved by stale counts at 0.25 s). 0: each
+# decision asks the model's replicas for their counts (one small actor call per replica, in parallel).
+PICKER_LOAD_MAX_AGE_S = 0
 
 
 def route_picker_options(ingress: IngressOptions) -> dict[str, Any]:

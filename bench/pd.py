@@ -84,7 +84,9 @@ def bench_vllm_pd(ns, model_dir):
                 flags["compilation_config"] = json.dumps({"pass_config": {"fuse_allreduce_rms": False}})
             env = {**engine_env(ns), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
             if ns.accelerator == "gpu":
-                env["CUDA_VISIBLE_DEVICES"] = str(index)
+                env["CUDA_VISIBLE_DEVICES"] = "0" if ns.same_gpu else str(index)
+            if ns.gpu_memory_utilization:
+                flags["gpu_memory_utilization"] = ns.gpu_memory_utilization
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                    "--served-model-name", MODEL, "--host", LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log",
                    *cli_flags(flags)]
@@ -127,6 +129,9 @@ def main() -> None:
     p.add_argument("--omp-threads", type=int, default=1)
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--only", choices=list(PEERS), default=None)
+    p.add_argument("--same-gpu", action="store_true", help="vllm-pd only: both servers on GPU 0 (a one-GPU smoke test "
+                   "of the connector; give --gpu-memory-utilization 0.4)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm-pd only")
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     ns.models, ns.coalesce_ms = 1, None

@@ -64,8 +64,11 @@ bench1)
     --concurrency 1 32 256 --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
     --max-model-len 4096 --client-procs 8 --hops --only "$peer" --json "$out/gpu1-$peer.json" 2>&1 \
     | tee "$out/gpu1-$peer.log" ;;
-pd)
+pd|pd1)
+  # pd1: one GPU, vllm-pd only, both servers on GPU 0: a smoke test of NIXL with this vLLM (no figures)
   peer=${2:?usage: gpu_host.sh pd summit-pd|summit-agg|vllm-pd}
+  extra=()
+  [ "$step" = pd1 ] && extra=(--same-gpu --gpu-memory-utilization 0.4 --concurrency 4)
   if compgen -G ".whl-nixl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl-nixl/*.whl
     export PYTHONPATH=/tmp/site-extra:$PYTHONPATH
@@ -73,7 +76,8 @@ pd)
   python3 -c "import nixl._api" || { echo "NIXL does not import"; exit 3; }
   python3 bench/pd.py --model-dir "$model8b" --accelerator gpu --load-format dummy --connector nixl \
     --concurrency 8 32 128 --requests-per-stream 2 --prompt-words 1500 --max-tokens 256 --max-num-seqs 256 \
-    --max-model-len 8192 --client-procs 8 --only "$peer" --json "$out/gpu-pd-$peer.json" 2>&1 | tee "$out/gpu-pd-$peer.log"
+    --max-model-len 8192 --client-procs 8 --only "$peer" --json "$out/gpu-$step-$peer.json" "${extra[@]}" 2>&1 \
+    | tee "$out/gpu-$step-$peer.log"
   grep -rl mnnvl /tmp/summit-ray-* /tmp/bench-pd-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -71,7 +71,9 @@ def test_the_model_runs_on_a_prefill_pool_and_a_decode_pool(pd_app):
 
 def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_dir):
     prompt = document(1)
-    n = len(http.post("/tokenize", json={"model": PD, "prompt": prompt}).json()["tokens"])
+    r = http.post("/tokenize", json={"model": PD, "prompt": prompt})
+    assert r.status_code == 200, r.text
+    n = len(r.json()["tokens"])
     assert n > 2 * KV_BLOCK
     before = decode_counters(pd_app)
     agg, pd = complete(http, AGG, prompt), complete(http, PD, prompt)

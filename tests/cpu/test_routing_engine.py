@@ -212,4 +212,11 @@ def test_a_killed_replicas_sessions_move_the_others_stay(summit2, http):
     assert not alive, f"engine processes outlived their killed replica: {[p.pid for p in alive]}"
     # Serve gives the replacement the killed replica's rank, so it serves the same model: two engines a model again
     assert wait_for(lambda: len(running_replicas(summit2, POOL)) == 4, 300)
-    assert len(of_model(SESSION, "stats", summit2)) == 2 and len(cache_counters(summit2)) == 2
+
+    def two_a_model() -> bool:  # the new replica answers probes once its engine has warmed up
+        try:
+            return len(of_model(SESSION, "stats", summit2)) == 2 and len(cache_counters(summit2)) == 2
+        except RuntimeError:
+            return False
+
+    assert wait_for(two_a_model, 180, interval_s=5)
