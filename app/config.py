@@ -265,18 +265,14 @@ class ModelConfig(_Strict):
         pd = self.disaggregation
         side: PDSide = getattr(pd, role)
         extra = dict(pd.connector_config)
-        engine = {**self.engine_kwargs, **side.engine_kwargs}
         if pd.connector == "shared_storage":
             extra.setdefault("shared_storage_path", f"/tmp/summit-kv/{self.name}")
-            # vLLM's example connector loads a prompt's whole stored KV: beside a partial local prefix-cache hit the
-            # sizes differ and the engine dies ("shape mismatch", seen with prompts sharing their first blocks)
-            engine.setdefault("enable_prefix_caching", False)
         kv = kv_transfer_config(pd.connector, role, extra, self.resolved_kv_buffer_device(),
                                 "recompute" if pd.fallback == "aggregated" else "fail")
         return self.model_copy(update={
             "tensor_parallel_size": side.tensor_parallel_size or self.tensor_parallel_size,
             "pipeline_parallel_size": side.pipeline_parallel_size or self.pipeline_parallel_size,
-            "engine_kwargs": {**engine, "kv_transfer_config": kv},
+            "engine_kwargs": {**self.engine_kwargs, **side.engine_kwargs, "kv_transfer_config": kv},
             "deployment": side.deployment or self.deployment, "routing": side.routing or self.routing,
             # the decode side keeps the options (its front reads `fallback`); the prefill side is a plain engine
             "disaggregation": pd if role == "decode" else None})

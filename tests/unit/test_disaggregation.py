@@ -45,10 +45,6 @@ def test_each_side_is_the_model_with_its_own_settings_and_kv_transfer_config():
     assert kv["d"]["kv_connector_extra_config"] == {"shared_storage_path": "/kv"} and kv["d"]["kv_buffer_device"] == "cpu"
     assert kv["d"].get("kv_load_failure_policy", "fail") == "fail"  # fallback: error
     assert decode.disaggregation_fallback == "error" and prefill.disaggregation is None
-    # the shared-storage connector cannot load beside a partial prefix-cache hit: off unless the YAML says otherwise
-    assert prefill.engine_kwargs["enable_prefix_caching"] is False and decode.engine_kwargs["enable_prefix_caching"] is False
-    given = SummitConfig.model_validate({"models": [pd_model(decode={"engine_kwargs": {"enable_prefix_caching": True}})]})
-    assert given.models[0].pd_side("decode").engine_kwargs["enable_prefix_caching"] is True
 
 
 def test_what_pd_cannot_do_is_refused_naming_the_key():
