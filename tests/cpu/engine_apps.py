@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import random
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from app.tiny_model import _WORDS
 from tests.local_cluster import LocalCluster, load_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,3 +61,10 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
             return True
         time.sleep(interval_s)
     return False
+
+
+def document(i: int, words: int = 220, title: str = "Document", seed_offset: int = 0) -> str:
+    """A distinct ~340-token text for the tiny model (≥ 2 CPU KV blocks), distinct from its first characters on; the
+    same `i`, `title` and `seed_offset` give the same text."""
+    rng = random.Random(seed_offset + i)
+    return f"{title} {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\n"

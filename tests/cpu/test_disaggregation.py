@@ -10,14 +10,13 @@ ones transfer nothing.
 
 from __future__ import annotations
 
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from app.tiny_model import _WORDS
+from tests.cpu import engine_apps
 from tests.cpu.engine_apps import APP, deployed, tiny_model, wait_for
 from tests.engine_checks import engine_core_processes
 from tests.replica_probe import probe
@@ -48,9 +47,8 @@ def http(pd_app):
         yield client
 
 
-def document(i: int, words: int = 220) -> str:
-    rng = random.Random(1000 + i)
-    return f"Note {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\n"
+def document(i: int) -> str:
+    return engine_apps.document(i, title="Note", seed_offset=1000)  # texts of their own (the KV store is keyed by them)
 
 
 def complete(http: httpx.Client, model: str, prompt: str, **extra) -> httpx.Response:

@@ -12,7 +12,6 @@ The replica that answered is the `x-summit-replica` header. Engine counters are 
 
 from __future__ import annotations
 
-import random
 import threading
 
 import httpx
@@ -20,8 +19,8 @@ import psutil
 import pytest
 
 from tests.replica_probe import probe
-from app.tiny_model import _WORDS, make_tiny_model
-from tests.cpu.engine_apps import APP, deployed, running_replicas, tiny_model, wait_for
+from app.tiny_model import make_tiny_model
+from tests.cpu.engine_apps import APP, deployed, document, running_replicas, tiny_model, wait_for
 
 PREFIX, SESSION = "tiny-prefix", "tiny-session"
 POOL = f"LLMServer:{PREFIX}+{SESSION}"
@@ -48,12 +47,6 @@ def summit2(tiny_model_dir, tmp_path_factory):
 def http(summit2):
     with httpx.Client(base_url=summit2.base_url, timeout=120) as client:
         yield client
-
-
-def document(i: int, words: int = 220) -> str:
-    """A distinct ~340-token prefix (≥ 2 CPU KV blocks), distinct from its first characters on."""
-    rng = random.Random(i)
-    return f"Document {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\n"
 
 
 def complete(http: httpx.Client, model: str, prompt: str, max_tokens: int = 4, headers: dict | None = None) -> httpx.Response:
