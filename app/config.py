@@ -260,7 +260,7 @@ class ModelConfig(_Strict):
         """The model as one side of its disaggregation runs it: that side's parallelism, deployment, routing and engine
         settings over the model's, and vLLM's kv_transfer_config for that side (no further validation: the model's
         own is done)."""
-        from deployments.vllm_adapter import kv_transfer_config
+        from deployments.vllm_adapter import connector_engine_kwargs, kv_transfer_config
 
         pd = self.disaggregation
         side: PDSide = getattr(pd, role)
@@ -269,10 +269,12 @@ class ModelConfig(_Strict):
             extra.setdefault("shared_storage_path", f"/tmp/summit-kv/{self.name}")
         kv = kv_transfer_config(pd.connector, role, extra, self.resolved_kv_buffer_device(),
                                 "recompute" if pd.fallback == "aggregated" else "fail")
+        engine_kwargs = {**self.engine_kwargs, **side.engine_kwargs}
+        engine_kwargs.update(connector_engine_kwargs(pd.connector, role, engine_kwargs), kv_transfer_config=kv)
         return self.model_copy(update={
             "tensor_parallel_size": side.tensor_parallel_size or self.tensor_parallel_size,
             "pipeline_parallel_size": side.pipeline_parallel_size or self.pipeline_parallel_size,
-            "engine_kwargs": {**self.engine_kwargs, **side.engine_kwargs, "kv_transfer_config": kv},
+            "engine_kwargs": engine_kwargs,
             "deployment": side.deployment or self.deployment, "routing": side.routing or self.routing,
             # the decode side keeps the options (its front reads `fallback`); the prefill side is a plain engine
             "disaggregation": pd if role == "decode" else None})
@@ -348,12 +350,35 @@ class AuthOptions(_Strict):
         return self
 
 
+class BatchOptions(_Strict):
+    """The OpenAI Batch API (`/v1/files`, `/v1/batches`) and its runner; on when this block is present."""
+
+    db_path: str = Field(
+        "~/.summit/batch/batch.sqlite3", description="SQLite database of files, batches and finished lines. On the local "
+        "disk of the node the store runs on (the head node: SQLite's locking is unreliable on NFS/Lustre).")
+    files_path: str = Field(
+        "~/.summit/batch/files", description="Where uploaded and result files are kept (a shared filesystem on "
+        "clusters, so that a new head node finds them).")
+    max_concurrency: int = Field(
+        16, ge=1, description="Batch lines in flight at once (per application). Without priority scheduling this is the "
+        "share of the engines batch work may take from online traffic.")
+    priority: int = Field(
+        10, ge=1, description="vLLM request priority of batch lines on models whose engine_kwargs set "
+        "`scheduling_policy: priority` (online requests have 0, which runs first).")
+    max_file_bytes: int = Field(200 * 2**20, ge=1, description="Largest upload (OpenAI's limit: 200 MB).")
+    max_lines: int = Field(50_000, ge=1, description="Most requests in one batch's input file (OpenAI's: 50,000).")
+    retention_days: float = Field(30.0, ge=0, description="Files are deleted this long after upload; 0 keeps them.")
+    poll_s: float = Field(1.0, gt=0, description="How often the runner looks for new work, cancellations and expiry.")
+
+
 class SummitConfig(_Strict):
     """Root of the Serve YAML's `args:` for `app.builder:build_app`."""
 
     models: list[ModelConfig] = Field(min_length=1, description="The models this application serves.")
     ingress: IngressOptions = Field(default_factory=IngressOptions, description="The OpenAI HTTP ingress.")
     auth: AuthOptions | None = Field(None, description="API keys for the OpenAI routes; off when absent.")
+    batch: BatchOptions | None = Field(None, description="The OpenAI Batch API (`/v1/files`, `/v1/batches`); off when "
+                                       "absent (`batch: {}` turns it on with the defaults).")
     placement_wait_s: float = Field(
         1800.0, ge=-1, description="How long building the app waits for the Ray cluster to have nodes that can hold one "
         "replica of every model (its placement group, or its actor's CPUs/GPU) before the deploy fails naming the missing "

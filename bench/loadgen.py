@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import sys
 import time
 from dataclasses import dataclass
 
@@ -113,7 +114,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict,
     ttft, tokens, last = None, 0, None
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
-            await r.aread()
+            body = (await r.aread())[:300]
+            if timing is not None:
+                timing["error"] = f"{r.status_code} {body.decode(errors='replace')}"
             return None, -1, None
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -153,8 +156,11 @@ async def run_load(base_url: str | list[str], model: str | list[str], prompts: l
                 timing: dict = {}
                 try:
                     ttft, tokens, _ = await stream_completion(client, url, body, timing)
-                except httpx.HTTPError:
+                except httpx.HTTPError as e:
                     ttft, tokens = None, -1
+                    timing["error"] = repr(e)
+                if "error" in timing and not totals["errors"]:  # say why once per run: a bench without it hides it
+                    print(f"  first failed request: {timing['error']}", file=sys.stderr, flush=True)
                 if "tpot" in timing:
                     tpots.append(timing["tpot"])
                 if tokens < 0:
@@ -195,11 +201,14 @@ def run_load_processes(base_url: str | list[str], model: str | list[str], prompt
                       [t for p in parts for t in p[1]], sum(p[2] for p in parts), tpot_s=[t for p in parts for t in p[5]])
 
 
-def make_prompts(n: int, words: int, seed: int = 0) -> list[str]:
+def make_prompts(n: int, words: int, seed: int = 0, distinct: bool = False) -> list[str]:
+    """`n` prompts of `words` words. They share long runs (prefix caching pays, as in chat traffic); `distinct` puts a
+    unique tag first so no two share even their first KV block (prefill-heavy load, as in bench/pd.py)."""
     vocab = "summit ridge valley river cloud storm north south peak trail rope camp ice rock snow wind".split()
     out = []
     for i in range(n):
-        out.append(" ".join(vocab[(i * 7 + j * 3 + seed) % len(vocab)] for j in range(words)) + f" #{i}")
+        body = " ".join(vocab[(i * 7 + j * 3 + seed) % len(vocab)] for j in range(words))
+        out.append(f"#{seed}.{i} {body}" if distinct else f"{body} #{i}")
     return out
 
 

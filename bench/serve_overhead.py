@@ -64,7 +64,10 @@ def cli_flags(kwargs: dict) -> list[str]:
     flags = []
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
-        flags += [flag] if value is True else [flag, str(value)]
+        if value is False:  # vLLM's boolean flags: --no-<name>
+            flags.append("--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag] if value is True else [flag, str(value)]
     return flags
 
 
@@ -111,11 +114,12 @@ def hbm_bound_tok_s(model_dir: str, bandwidth_gbs: float) -> float:
 def run_loads(base_url: str | list[str], ns: argparse.Namespace, server_pids: list[int]) -> list[LoadResult]:
     """Each concurrency level's load over the models, with the CPU the servers' process trees used meanwhile."""
     models = model_names(ns)
-    asyncio.run(run_load(base_url, models, make_prompts(4 * len(models), ns.prompt_words, seed=1), 4, 8))  # warm-up
+    asyncio.run(run_load(base_url, models, make_prompts(4 * len(models), ns.prompt_words, seed=1,
+                                                           distinct=getattr(ns, "distinct_prompts", False)), 4, 8))
     results = []
     for c in ns.concurrency:
         n = ns.requests if ns.requests_per_stream is None else max(8, c * ns.requests_per_stream)
-        prompts = make_prompts(n, ns.prompt_words)
+        prompts = make_prompts(n, ns.prompt_words, distinct=getattr(ns, "distinct_prompts", False))
         before = [tree_cpu_s(pid) for pid in server_pids]
         result = run_load_processes(base_url, models, prompts, c, ns.max_tokens, ns.client_procs)
         after = [tree_cpu_s(pid) for pid in server_pids]

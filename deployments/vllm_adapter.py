@@ -114,6 +114,20 @@ def kv_transfer_config(connector: str, role: str, extra: dict[str, Any], buffer_
     return config
 
 
+def connector_engine_kwargs(connector: str, role: str, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine settings one side needs for its connector to work, over the given ones. vLLM's shared-storage example
+    connector stores a prompt's KV from the prompt's first scheduled step only: a prefill split into chunks (a long
+    prompt, or several arriving at once) stores part of it under the whole prompt's key, and the decode engine that
+    loads it dies ("shape mismatch", FACTS). Its prefill side therefore schedules whole prompts."""
+    if kv_connector(connector) != "ExampleConnector" or role != "prefill":
+        return {}
+    needed: dict[str, Any] = {"enable_chunked_prefill": False}
+    limit, budget = engine_kwargs.get("max_model_len"), engine_kwargs.get("max_num_batched_tokens")
+    if limit and budget and budget < limit:
+        needed["max_num_batched_tokens"] = limit
+    return needed
+
+
 def check_gpu_engine_kwargs(given: dict[str, Any]) -> None:
     """Refuse engine settings that would put NVLink multicast to use (the key named)."""
     compilation = given.get("compilation_config") or {}
