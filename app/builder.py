@@ -11,11 +11,14 @@ from ray import serve
 from ray.serve import Application
 
 from app.config import SummitConfig
-from app.deployment_options import (engine_pool_options, ingress_deployment_options, llm_deployment_options,
+from app.deployment_options import (BATCH_API_OPTIONS, batch_runner_options, engine_pool_options,
+                                    ingress_deployment_options, llm_deployment_options,
                                     pool_problem, prefill_deployment_options, replica_bundles, route_picker_options,
                                     serving_models)
 from app.placement import unplaceable
 from deployments.auth import load_api_keys
+from deployments.batch_api import BatchAPI
+from deployments.batch_runner import BatchRunner
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.route_picker import RoutePicker
@@ -83,10 +86,12 @@ def build_app(args: dict[str, Any]) -> Application:
     # each disaggregated model's prefill pool, handed to the deployment of its decode side
     prefill = {m.name: serve.deployment(LLMServer).options(**prefill_deployment_options(m))
                .bind([(m.pd_side("prefill"), m.resolved_source())]) for m in config.models if m.disaggregation}
+    engine_names = engine_deployment_names(config, path)
+    batch_api = batch_app(config, engine_names)
     if path == "direct":
         models = [(m, m.resolved_source()) for m in serving]
         engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(serving))
-        engines_app = engines.bind(models, config.auth, prefill)
+        engines_app = engines.bind(models, config.auth, prefill, batch_api)
         if len(models) == 1 and config.models[0].routing.policy == "least_load":
             return engines_app  # HAProxy's own choice (leastconn) is least-load: no routing call per request
         picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines_app)
@@ -97,7 +102,27 @@ def build_app(args: dict[str, Any]) -> Application:
         for m in serving
     }
     ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))
-    return ingress.bind(servers, config.auth)
+    return ingress.bind(servers, config.auth, batch_api)
+
+
+def engine_deployment_names(config: SummitConfig, path: str) -> dict[str, str]:
+    """Each served model's engine deployment (the decode pool of a disaggregated one) on a request path."""
+    serving = serving_models(config.models)
+    if path == "direct":
+        return {m.name: engine_pool_options(serving)["name"] for m in serving}
+    return {m.name: llm_deployment_options(m)["name"] for m in serving}
+
+
+def batch_app(config: SummitConfig, engine_names: dict[str, str]) -> Application | None:
+    """The Batch API's store (which the HTTP entry hands /v1/files and /v1/batches to) and its runner (which the store
+    wakes, and which finds the store and each model's engine deployment by name): None when `batch` is off."""
+    if config.batch is None:
+        return None
+    options = config.batch.model_dump()
+    priority = [m.name for m in config.models if m.engine_kwargs.get("scheduling_policy") == "priority"]
+    runner = serve.deployment(BatchRunner).options(**batch_runner_options()).bind(
+        options, engine_names, priority, BATCH_API_OPTIONS["name"])
+    return serve.deployment(BatchAPI).options(**BATCH_API_OPTIONS).bind(options, runner)
 
 
 def haproxy_enabled() -> bool:

@@ -86,6 +86,22 @@ def _validate(ns: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _batch(ns: argparse.Namespace) -> int:
+    import json
+
+    from app.batch.offline import run
+
+    try:
+        summary = run(ns.input, ns.output, ns.config, err_path=ns.errors, address=ns.address,
+                      concurrency=ns.concurrency, app_name=ns.app, progress=not ns.no_progress, ray_data=ns.ray_data,
+                      num_cpus=ns.num_cpus)
+    except (ValueError, OSError) as e:
+        print(f"summit batch: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0 if summary["ran"] + summary["skipped"] == summary["lines"] else 1
+
+
 def _kuberay(ns: argparse.Namespace) -> int:
     from app.kuberay import render_rayservice
 
@@ -149,6 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("direct-path-env", help="print `export` lines putting a Ray started from this shell on the "
                        "direct path (Serve's HAProxy with loopback stats, body-aware route picker)")
     p.set_defaults(func=_direct_path_env)
+
+    p = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) offline on the models of a Serve YAML")
+    p.add_argument("input", help="JSONL lines {custom_id, method, url, body}, as for the Batch API")
+    p.add_argument("-o", "--output", required=True, help="answered lines (appended; a rerun skips them)")
+    p.add_argument("-e", "--errors", default=None, help="lines answered with an error (default: OUTPUT's name "
+                   "with .errors.jsonl)")
+    p.add_argument("--config", required=True, help="the Serve YAML whose models run the lines")
+    p.add_argument("--app", default=None, help="which application of the YAML (default: its one Summit app)")
+    p.add_argument("--address", default=None, help="a running Ray cluster (default: start a private local one)")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the private local Ray (default: all)")
+    p.add_argument("--concurrency", type=int, default=64, help="lines in flight")
+    p.add_argument("--ray-data", action="store_true", help="Ray Data: map_batches over one engine actor per "
+                   "replica of the model (its deployment.num_replicas), for jobs larger than one replica")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_batch)
     _add_sizing_commands(sub)
     return parser
 

@@ -189,3 +189,15 @@ def replica_bundles(options: dict[str, Any]) -> tuple[list[dict[str, float]], st
 def ingress_deployment_options(ingress: IngressOptions) -> dict[str, Any]:
     return {"name": "OpenAIIngress", "num_replicas": ingress.num_replicas,
             "max_ongoing_requests": ingress.max_ongoing_requests, "ray_actor_options": {"num_cpus": ingress.num_cpus}}
+
+
+# The Batch API's store: one replica (the one SQLite writer), on the head node, whose local disk holds the database.
+BATCH_API_OPTIONS: dict[str, Any] = {
+    "name": "BatchAPI", "num_replicas": 1, "max_ongoing_requests": 1000,
+    "ray_actor_options": {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}}
+
+
+def batch_runner_options() -> dict[str, Any]:
+    """The batch runner: one replica; it holds no state (the store does), so Serve may restart it anywhere."""
+    return {"name": "BatchRunner", "num_replicas": 1, "max_ongoing_requests": 100, "ray_actor_options": {"num_cpus": 0},
+            "health_check_period_s": 5}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -32,6 +33,12 @@ from deployments.replica_stream import ModelUnavailable, first_response, replica
 logger = logging.getLogger("ray.serve")
 
 REQUEST_ID_HEADER = b"x-request-id"
+# The Batch API's routes (/v1/files..., /v1/batches...): served by the BatchAPI deployment (deployments/batch_api.py).
+BATCH_PREFIXES = ("/v1/files", "/v1/batches")
+# Who owns a file or batch (a hash of the caller's API key), as the front tells the BatchAPI; a client's own is dropped.
+OWNER_HEADER = b"x-summit-owner"
+# Set in the ASGI scope of a request that came through a Serve handle, not from a client (no API key to check).
+INTERNAL_SCOPE_KEY = "summit.internal"
 REPLICA_HEADER = b"x-summit-replica"
 FORWARDED_HEADER = b"x-summit-forwarded"
 RETRY_AFTER_S = "1"
@@ -39,19 +46,22 @@ RETRY_AFTER_S = "1"
 POST_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 # The API key stops here; hop headers are the server's business.
 _DROP_REQUEST_HEADERS = frozenset({b"authorization", b"x-request-id", b"content-length", b"transfer-encoding",
-                                   FORWARDED_HEADER})
+                                   FORWARDED_HEADER, OWNER_HEADER})
 _DROP_RESPONSE_HEADERS = frozenset({b"x-request-id", b"date", b"server"})
 
 
 class ReplicaFront:
     def __init__(self, engine_app, model: str, models: Sequence[str], keys: list[bytes] | None,
                  engine_dead: Callable[[], bool], replica_id: str, model_cards: dict[str, dict] | None = None,
-                 forward: Callable[[HTTPRequest], Any] | None = None, coalesce_s: float = 0.0):
+                 forward: Callable[[HTTPRequest], Any] | None = None, coalesce_s: float = 0.0,
+                 batch_api: Callable[[HTTPRequest], Any] | None = None):
         self._app = engine_app
         # a stream's chunks after its first are gathered for up to this long and sent as one (stream_coalesce_ms)
         self._coalesce_s = coalesce_s
         # another model's request -> a Serve response stream from one of that model's replicas (its handle_http)
         self._forward = forward
+        # a Batch API request -> a Serve response stream from the BatchAPI deployment (None: batch is off)
+        self._batch_api = batch_api
         self.model = model
         self._models = list(models)
         self._keys = keys
@@ -77,11 +87,16 @@ class ReplicaFront:
             return
         headers = scope.get("headers") or []
         authorization = _header(headers, b"authorization")
-        if self._keys is not None and not authorized(authorization and authorization.decode(), self._keys):
+        # a request through a Serve handle (from another replica, the batch runner) was let in where it entered
+        if (self._keys is not None and not scope.get(INTERNAL_SCOPE_KEY)
+                and not authorized(authorization and authorization.decode(), self._keys)):
             await unauthorized(authorization and authorization.decode())(scope, receive, send)
             return
         if method == "GET" and path == "/v1/models":
             await self._list_models(scope, receive, send)
+            return
+        if path.startswith(BATCH_PREFIXES):
+            await self._to_batch_api(scope, headers, authorization, receive, send)
             return
         if method != "POST" or path not in POST_ROUTES:
             status = 405 if path in POST_ROUTES else 404
@@ -227,31 +242,19 @@ class ReplicaFront:
         forwarded = HTTPRequest(scope["method"], scope["path"], body, scope.get("query_string", b""),
                                 [(k, v) for k, v in headers if k.lower() != b"authorization"] + [(FORWARDED_HEADER, b"1")],
                                 model=name)
-        stream = self._forward(forwarded)
+        await _relay(self._forward(forwarded), name, scope, receive, send)
 
-        async def cancel_on_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            stream.cancel()  # the client left: abort the engine request there
-
-        watcher = asyncio.create_task(cancel_on_disconnect())
-        try:
-            try:
-                start = await first_response(stream)
-            except ModelUnavailable as e:
-                await error_response(e.status, str(e), headers={"retry-after": e.retry_after})(scope, receive, send)
-                return
-            await send({"type": "http.response.start", "status": start.status, "headers": start.headers})
-            try:
-                with replica_failures():
-                    async for chunk in stream:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except ModelUnavailable as e:
-                logger.warning("forwarded request to %s ended early: %s", name, e)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            watcher.cancel()
-            stream.cancel()  # a no-op after the end
+    async def _to_batch_api(self, scope, headers, authorization: bytes | None, receive, send) -> None:
+        if self._batch_api is None:
+            await error_response(404, f"{scope['path']}: the Batch API is not enabled in this application; add a "
+                                 "`batch:` block to its args (README: Batch)")(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        owner = owner_of(authorization) if self._keys is not None else b""
+        forwarded = HTTPRequest(scope["method"], scope["path"], body, scope.get("query_string", b""),
+                                [(k, v) for k, v in headers if k.lower() not in (b"authorization", OWNER_HEADER)]
+                                + [(OWNER_HEADER, owner)])
+        await _relay(self._batch_api(forwarded), "the Batch API", scope, receive, send)
 
     async def _list_models(self, scope, receive, send) -> None:
         """vLLM's own entry for this replica's model (max_model_len, root), then the application's other models."""
@@ -352,6 +355,41 @@ class _Coalescer:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+
+
+async def _relay(stream, name: str, scope, receive, send) -> None:
+    """Pass a Serve response stream (another replica's or the BatchAPI's handle_http) on to the client; a client that
+    leaves cancels it."""
+
+    async def cancel_on_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        stream.cancel()  # the client left: abort the request there
+
+    watcher = asyncio.create_task(cancel_on_disconnect())
+    try:
+        try:
+            start = await first_response(stream)
+        except ModelUnavailable as e:
+            await error_response(e.status, str(e), headers={"retry-after": e.retry_after})(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": start.status, "headers": start.headers})
+        try:
+            with replica_failures():
+                async for chunk in stream:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except ModelUnavailable as e:
+            logger.warning("forwarded request to %s ended early: %s", name, e)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        watcher.cancel()
+        stream.cancel()  # a no-op after the end
+
+
+def owner_of(authorization: bytes | None) -> bytes:
+    """The owner of the files and batches a caller makes: a hash of its API key (never the key itself)."""
+    token = (authorization or b"").removeprefix(b"Bearer ").strip()
+    return hashlib.sha256(token).hexdigest()[:24].encode()
 
 
 def _header(headers, name: bytes) -> bytes | None:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.config import AuthOptions
 from deployments.auth import authorized, load_api_keys, unauthorized
 from deployments.errors import error_response, openai_error_bytes
+from deployments.front import OWNER_HEADER, owner_of
 from deployments.model_names import BadModel, model_for
 from deployments.protocol import HTTPRequest, ResponseStart
 from deployments.replica_stream import ModelUnavailable, ReplicaStream, first_response, rest_of_body
@@ -51,8 +52,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, servers: dict[str, DeploymentHandle], auth: AuthOptions | None = None):
+    def __init__(self, servers: dict[str, DeploymentHandle], auth: AuthOptions | None = None,
+                 batch_api: DeploymentHandle | None = None):
         self._servers = servers
+        self._batch_api = batch_api
         self._keys = load_api_keys(auth.api_keys_env, auth.api_keys_file) if auth else None
 
     def _denied(self, request: Request) -> Response | None:
@@ -97,6 +100,34 @@ class OpenAIIngress:
     @api.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         return await self._forward(request)
+
+    @api.api_route("/v1/files{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def files(self, request: Request, rest: str) -> Response:
+        return await self._to_batch_api(request)
+
+    @api.api_route("/v1/batches{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def batches(self, request: Request, rest: str) -> Response:
+        return await self._to_batch_api(request)
+
+    async def _to_batch_api(self, request: Request) -> Response:
+        """The Batch API's store answers (deployments/batch_api.py); the body goes as it came (a multipart upload
+        keeps its content type), with the caller's owner."""
+        if denied := self._denied(request):
+            return denied
+        if self._batch_api is None:
+            return error_response(404, f"{request.url.path}: the Batch API is not enabled in this application; add a "
+                                  "`batch:` block to its args (README: Batch)")
+        owner = owner_of(request.headers.get("authorization", "").encode()) if self._keys is not None else b""
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in (b"authorization", OWNER_HEADER)]
+        forwarded = HTTPRequest(request.method, request.url.path, await request.body(), request.url.query.encode(),
+                                headers + [(OWNER_HEADER, owner)])
+        try:
+            stream = self._batch_api.options(stream=True).handle_http.remote(forwarded)
+            start = await first_response(stream)
+            payload = await rest_of_body(stream)
+        except ModelUnavailable as e:
+            return error_response(e.status, str(e), headers={"retry-after": e.retry_after})
+        return Response(payload, status_code=start.status, headers=_response_headers(start))
 
     async def _forward(self, request: Request) -> Response:
         if denied := self._denied(request):

@@ -22,7 +22,7 @@ from app.deployment_options import pool_model_index
 from deployments import vllm_adapter
 from deployments.asgi_bridge import stream_asgi
 from deployments.auth import load_api_keys
-from deployments.front import Admission, ReplicaFront
+from deployments.front import INTERNAL_SCOPE_KEY, Admission, ReplicaFront
 from deployments.pd import Disaggregated
 from deployments.protocol import HTTPRequest, ResponseStart
 
@@ -33,10 +33,11 @@ class LLMServer:
     """One replica = one AsyncLLM + vLLM's OpenAI FastAPI app bound to it (no subprocess, no extra port)."""
 
     async def __init__(self, models: list[tuple[ModelConfig, str]], auth: AuthOptions | None = None,
-                       prefill: dict[str, DeploymentHandle] | None = None):
+                       prefill: dict[str, DeploymentHandle] | None = None, batch_api: DeploymentHandle | None = None):
         """`models`: (config, resolved source) of each model this deployment hosts, one per replica; `auth`: the API
         keys when this deployment is the HTTP entry (direct path); `prefill`: the prefill pool of each disaggregated
-        model among them (this deployment is then that model's decode pool)."""
+        model among them (this deployment is then that model's decode pool); `batch_api`: the Batch API's store, which
+        the HTTP entry hands /v1/files and /v1/batches to (direct path, batch on)."""
         self._replica_id = _replica_id()
         model, source = models[pool_model_index(_replica_rank(), [m.deployment.num_replicas for m, _ in models])]
         self.model = model.name
@@ -50,7 +51,9 @@ class LLMServer:
             self._engine_app.app, model.name, [m.name for m, _ in models], keys,
             lambda: vllm_adapter.engine_is_dead(self._engine_app.engine), self._replica_id,
             {m.name: _model_card(m, src) for m, src in models}, self._forward if len(models) > 1 else None,
-            coalesce_s=self._coalesce_s)
+            coalesce_s=self._coalesce_s,
+            batch_api=(lambda request, h=batch_api.options(stream=True): h.handle_http.remote(request))
+            if batch_api is not None else None)
         self._own_handle = None
         if prefill and model.name in prefill:
             handle = prefill[model.name].options(stream=True)
@@ -86,8 +89,12 @@ class LLMServer:
         # A caller that goes away cancels this generator: stream_asgi tells vLLM's app (http.disconnect, then
         # cancellation), which aborts the engine request; the front logs it.
         # the front coalesces a stream's chunks; the bridge only merges what is already queued behind a slow caller
-        async for item in stream_asgi(self._front, request):
+        async for item in stream_asgi(self._internal_front, request):
             yield item
+
+    async def _internal_front(self, scope, receive, send) -> None:
+        """The front for a request that came through a Serve handle: it was let in (API key) where it entered."""
+        await self._front({**scope, INTERNAL_SCOPE_KEY: True}, receive, send)
 
     async def check_health(self) -> None:
         """Serve calls this periodically: a dead engine marks the replica unhealthy and Serve replaces it."""

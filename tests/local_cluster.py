@@ -175,7 +175,9 @@ class LocalCluster:
 
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         # vLLM's IPC sockets go to the cluster's temp dir (removed by stop()), not /tmp where killed engines leave them.
-        env = loopback_env({"VLLM_RPC_BASE_PATH": str(self.temp_dir), **self.env, **(extra or {})})
+        # The Batch API's database and files too (serve_configs/tiny-cpu.yaml reads SUMMIT_BATCH_DIR).
+        env = loopback_env({"VLLM_RPC_BASE_PATH": str(self.temp_dir), "SUMMIT_BATCH_DIR": str(self.temp_dir / "batch"),
+                            **self.env, **(extra or {})})
         if self.node_ip != LOOPBACK:
             # Ray refuses to add nodes when this is 0 (which keeps a one-node cluster on 127.0.0.1).
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
@@ -225,9 +227,13 @@ class LocalCluster:
             raise DeployFailed("; ".join(f"application {name!r} failed to deploy: {msg}" for name, msg in failed.items()))
         return bool(apps) and all(a.get("status") == "RUNNING" for a in apps.values())
 
-    def serve_shutdown(self) -> None:
+    def serve_shutdown(self, timeout_s: float = 180) -> None:
+        """`serve shutdown`, then wait until Serve's controller has exited: the command gives up waiting after 30 s
+        (replicas draining), and a `serve deploy` sent to a controller that is still going down is lost."""
         subprocess.run(["serve", "shutdown", "-a", self.dashboard_url, "-y"], env=self._env(),
                        capture_output=True, timeout=120)
+        self._wait(lambda: not any(a.get("class_name") == "ServeController" for a in self.alive_actors()), timeout_s,
+                   "Serve controller exit")
 
     def stop(self) -> None:
         """Serve shutdown, then stop every process this cluster started (by PID), then remove its temp dir."""

@@ -32,6 +32,8 @@ def summit(tiny_model_dir):
     # Faster failure detection for the dead-engine test and a longer context (above); everything else is the shipped YAML.
     model["deployment"].update(health_check_period_s=2, health_check_timeout_s=10)
     model["engine_kwargs"]["max_model_len"] = MAX_MODEL_LEN
+    # small batch limits, so that tests can reach them (its files go to the cluster's temp dir: SUMMIT_BATCH_DIR)
+    config["applications"][0]["args"]["batch"].update(max_file_bytes=1 << 20, max_lines=1000)
     try:
         cluster.start()
         cluster.serve_deploy(config)

@@ -1,0 +1,171 @@
+"""`summit batch IN.jsonl -o OUT.jsonl --config X.yaml`: a batch file through the same runner core and engine
+deployments as the online Batch API, without HTTP: the YAML's models are deployed on a Ray cluster (a private local
+one unless `--address` is given) with no HTTP proxy, and each line goes to its model's engine deployment through a
+Serve handle. Output lines go to OUT (2xx answers) and ERR (the rest) in OpenAI's batch output format, appended as
+they finish: a rerun skips every custom_id already in either file (resumable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.batch.core import run_lines
+from app.batch.lines import Line, parse_lines
+
+OFFLINE_APP = "summit-batch"
+
+
+def finished_ids(*paths: Path) -> set[str]:
+    """custom_ids already written to these output files. A torn last line (the run was killed while writing it)
+    is cut off, so that the line runs again and is written whole."""
+    done: set[str] = set()
+    for path in paths:
+        if not path.exists():
+            continue
+        data = path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        if len(whole) != len(data):
+            with open(path, "r+b") as f:
+                f.truncate(len(whole))
+        for raw in whole.splitlines():
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                done.add(json.loads(raw)["custom_id"])
+    return done
+
+
+def app_args(config_path: str, app_name: str | None) -> tuple[dict, dict]:
+    """The Summit app's `args` and `runtime_env` from a Serve YAML (its one app, or the one named)."""
+    doc = yaml.safe_load(Path(config_path).read_text())
+    apps = [a for a in doc.get("applications", []) if app_name in (None, a.get("name"))]
+    apps = [a for a in apps if a.get("import_path") == "app.builder:build_app"]
+    if len(apps) != 1:
+        raise ValueError(f"{config_path}: name the Summit application with --app (found {len(apps)})")
+    args = dict(apps[0].get("args") or {})
+    args.pop("batch", None)  # the offline run needs no Batch API
+    args["ingress"] = {**(args.get("ingress") or {}), "path": "hops"}  # no HTTP: per-model engine deployments
+    return args, apps[0].get("runtime_env") or {}
+
+
+class Progress:
+    """A progress line on stderr: lines done of all, output tokens/s, ETA."""
+
+    def __init__(self, total: int, done: int, enabled: bool = True):
+        self.total, self.done, self.tokens = total, done, 0
+        self.start = time.monotonic()
+        self._ran = 0
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=done, unit="line", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, tokens: int) -> None:
+        self.done += 1
+        self._ran += 1
+        self.tokens += tokens
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(f"{self.tok_per_s:.0f} tok/s", refresh=False)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / max(1e-9, time.monotonic() - self.start)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def run(in_path: str, out_path: str, config_path: str, err_path: str | None = None, address: str | None = None,
+        concurrency: int = 64, app_name: str | None = None, progress: bool = True, num_cpus: int | None = None,
+        ray_data: bool = False) -> dict[str, Any]:
+    """Run a batch file; a summary ({lines, skipped, ran, completed, failed, output_tokens, seconds, tok_per_s})."""
+    import ray
+    from ray import serve
+
+    from app.builder import build_app, engine_deployment_names
+    from app.config import SummitConfig
+
+    out, err = Path(out_path), Path(err_path or _errors_path(out_path))
+    args, runtime_env = app_args(config_path, app_name)
+    config = SummitConfig.model_validate(args)
+    lines, errors = parse_lines(Path(in_path).read_bytes(), None, [m.name for m in config.models], 10**9)
+    if errors:
+        raise ValueError("; ".join(e.message for e in errors[:10]) + (f" (and {len(errors) - 10} more)"
+                                                                        if len(errors) > 10 else ""))
+    skip = finished_ids(out, err)
+    todo = [line for line in lines if line.custom_id not in skip]
+    summary: dict[str, Any] = {"lines": len(lines), "skipped": len(lines) - len(todo), "ran": 0, "completed": 0,
+                               "failed": 0, "output_tokens": 0}
+    if not todo:
+        return {**summary, "seconds": 0.0, "tok_per_s": 0.0}
+    env_vars = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(runtime_env.get("env_vars") or {})}
+    os.environ.setdefault("RAY_AUTH_MODE", env_vars["RAY_AUTH_MODE"])
+    own_ray = address is None
+    if own_ray:  # a private one-node Ray on loopback, with its own temp dir
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="summit-batch-ray-"),
+                 _node_ip_address="127.0.0.1", runtime_env={**runtime_env, "env_vars": env_vars},
+                 logging_level="ERROR", log_to_driver=False)
+    else:
+        ray.init(address=address, runtime_env={**runtime_env, "env_vars": env_vars}, logging_level="ERROR",
+                 log_to_driver=False)
+    try:
+        if ray_data:
+            from app.batch.ray_data import run_ray_data
+
+            counts = run_ray_data(todo, config, out, err, progress)
+        else:
+            serve.start(proxy_location="Disabled")
+            serve.run(build_app(args), name=OFFLINE_APP, route_prefix=None)
+            handles = {name: serve.get_deployment_handle(dep, OFFLINE_APP)
+                       for name, dep in engine_deployment_names(config, "hops").items()}
+            counts = asyncio.run(_run_lines(todo, handles, out, err, concurrency, Progress(len(lines), len(skip), progress)))
+        summary.update(counts)
+        return summary
+    finally:
+        if not ray_data:
+            with contextlib.suppress(Exception):
+                serve.delete(OFFLINE_APP) if not own_ray else serve.shutdown()
+        ray.shutdown()
+
+
+async def _run_lines(todo: list[Line], handles: dict, out: Path, err: Path, concurrency: int,
+                     progress: Progress) -> dict[str, Any]:
+    from deployments.batch_runner import send_line
+
+    counts = {"ran": 0, "completed": 0, "failed": 0, "output_tokens": 0}
+    start = time.monotonic()
+    with open(out, "ab") as out_f, open(err, "ab") as err_f:
+        async def done(line: Line, ok: bool, result: dict, tokens: int) -> None:
+            f = out_f if ok else err_f
+            f.write(json.dumps(result).encode() + b"\n")
+            f.flush()
+            counts["ran"] += 1
+            counts["completed" if ok else "failed"] += 1
+            counts["output_tokens"] += tokens
+            progress.update(tokens)
+
+        try:
+            await run_lines(todo, lambda line: send_line(handles[line.model], line), done, concurrency)
+        finally:
+            progress.close()
+            for f in (out_f, err_f):
+                f.flush()
+                os.fsync(f.fileno())
+    seconds = time.monotonic() - start
+    return {**counts, "seconds": round(seconds, 2), "tok_per_s": round(counts["output_tokens"] / max(seconds, 1e-9), 1)}
+
+
+def _errors_path(out_path: str) -> str:
+    base = out_path[: -len(".jsonl")] if out_path.endswith(".jsonl") else out_path
+    return base + ".errors.jsonl"

@@ -1,0 +1,165 @@
+"""The Batch API's pure parts: the durable store, input-line validation, and the runner core (with a fake `send`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from app.batch.core import Answer, Unavailable, run_lines
+from app.batch.lines import Line, grouped, parse_lines, window_seconds
+from app.batch.store import BatchStore, Conflict, NotFound
+
+URL = "/v1/completions"
+
+
+def jsonl(*objs) -> bytes:
+    return b"\n".join(o if isinstance(o, bytes) else json.dumps(o).encode() for o in objs) + b"\n"
+
+
+def req(custom_id, prompt="hi", model="m", **extra):
+    return {"custom_id": custom_id, "method": "POST", "url": URL, "body": {"model": model, "prompt": prompt, **extra}}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = BatchStore(tmp_path / "db" / "batch.sqlite3", tmp_path / "files")
+    yield s
+    s.close()
+
+
+def test_files_round_trip_pages_owners_and_delete(store):
+    ids = [store.add_file([f"file {i}".encode()], f"f{i}.jsonl", "batch", owner="alice")["id"] for i in range(5)]
+    store.add_file([b"other"], "x.jsonl", "batch", owner="bob")
+    assert store.file_path(ids[0]).read_bytes() == b"file 0"
+    first = store.list_files("alice", limit=2)
+    assert [f["id"] for f in first.data] == ids[::-1][:2] and first.has_more
+    rest = store.list_files("alice", after=first.data[-1]["id"], limit=10)
+    assert [f["id"] for f in rest.data] == ids[::-1][2:] and not rest.has_more
+    assert [f["id"] for f in store.list_files("alice", order="asc", limit=10).data] == ids
+    with pytest.raises(NotFound):
+        store.get_file(ids[0], owner="bob")  # another key's file is not there for it
+    assert store.delete_file(ids[1], "alice")["deleted"]
+    assert not store.file_path(ids[1]).exists()
+    with pytest.raises(NotFound):
+        store.get_file(ids[1], "alice")
+
+
+def test_results_recorded_once_and_files_in_input_order(store, tmp_path):
+    f = store.add_file([b"{}"], "in.jsonl", "batch")
+    batch = store.add_batch("", f["id"], URL, 3600, "1h", {"k": "v"})
+    store.update_batch(batch["id"], status="in_progress", request_counts={"total": 3, "completed": 0, "failed": 0})
+    counts = store.record(batch["id"], [("c", 3, True, {"custom_id": "c"}), ("a", 1, True, {"custom_id": "a"})])
+    assert counts == {"completed": 2, "failed": 0}
+    # a line run again after a crash: its first result stays
+    store.record(batch["id"], [("a", 1, False, {"custom_id": "a", "again": True}), ("b", 2, False, {"custom_id": "b"})])
+    assert store.get_batch(batch["id"])["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    done = store.finalize(batch["id"], "completed")
+    assert done["status"] == "completed" and done["completed_at"] and done["metadata"] == {"k": "v"}
+    out = [json.loads(x) for x in store.file_path(done["output_file_id"]).read_text().splitlines()]
+    err = [json.loads(x) for x in store.file_path(done["error_file_id"]).read_text().splitlines()]
+    assert [x["custom_id"] for x in out] == ["a", "c"] and "again" not in out[0]
+    assert [x["custom_id"] for x in err] == ["b"]
+    # all of it survives a new store on the same paths (a restarted replica)
+    again = BatchStore(tmp_path / "db" / "batch.sqlite3", tmp_path / "files")
+    assert again.get_batch(batch["id"])["output_file_id"] == done["output_file_id"]
+    assert again.finished_ids(batch["id"]) == {"a", "b", "c"}
+    assert again.add_file([b"x"], "y", "batch")["id"] not in {f["id"], done["output_file_id"]}
+
+
+def test_cancel_only_while_running(store):
+    f = store.add_file([b"{}"], "in.jsonl", "batch")
+    batch = store.add_batch("", f["id"], URL, 60, "1m", None)
+    assert store.cancel(batch["id"])["status"] == "cancelling"
+    store.finalize(batch["id"], "cancelled")
+    assert store.cancel(batch["id"])["status"] == "cancelled"  # idempotent
+    other = store.add_batch("", f["id"], URL, 60, "1m", None)
+    store.finalize(other["id"], "completed")
+    with pytest.raises(Conflict):
+        store.cancel(other["id"])
+    assert [b["id"] for b in store.active_batches()] == []
+
+
+def test_retention_deletes_old_files(tmp_path):
+    s = BatchStore(tmp_path / "b.sqlite3", tmp_path / "files", retention_s=3600)
+    f = s.add_file([b"x"], "a", "batch")
+    assert f["expires_at"] is not None
+    assert s.expire_files() == 0
+    s._db.execute("UPDATE files SET expires_at = 0")  # an hour on
+    assert s.expire_files() == 1
+    with pytest.raises(NotFound):
+        s.get_file(f["id"])
+
+
+def test_each_bad_line_named_with_its_field():
+    data = jsonl(req("ok"), b"{not json", {"method": "POST", "url": URL, "body": {}}, req("ok"),
+                 {**req("u"), "url": "/v1/embeddings"}, req("m", model="nope"), {**req("s"), "body": {"model": "m",
+                                                                                                      "stream": True}},
+                 {**req("b"), "body": "text"})
+    lines, errors = parse_lines(data, URL, ["m"], 100)
+    assert [x.custom_id for x in lines] == ["ok"]
+    found = {(e.line, e.param, e.code) for e in errors}
+    assert found == {(2, None, "invalid_json_line"), (3, "custom_id", "invalid_request"),
+                     (4, "custom_id", "duplicate_custom_id"), (5, "url", "invalid_request"),
+                     (6, "body.model", "model_not_found"), (7, "body.stream", "invalid_request"),
+                     (8, "body", "invalid_request")}
+    assert all(f"line {e.line}" in e.message for e in errors)
+    _, errors = parse_lines(jsonl(*(req(str(i)) for i in range(5))), URL, ["m"], 4)
+    assert errors[0].code == "too_many_requests"
+    _, errors = parse_lines(jsonl(req("x")), "/v1/chat/completions", ["m"], 10)
+    assert errors[0].param == "url" and "endpoint" in errors[0].message
+
+
+def test_one_model_is_the_default_and_window_parsing():
+    lines, errors = parse_lines(jsonl({"custom_id": "a", "url": URL, "body": {"prompt": "x"}}), URL, ["only"], 10)
+    assert not errors and lines[0].model == "only"
+    assert window_seconds("24h") == 86400 and window_seconds("90s") == 90
+    for bad in ("", "24", "0h", "-1h", "1w"):
+        with pytest.raises(ValueError):
+            window_seconds(bad)
+
+
+def test_grouping_runs_shared_prefixes_together():
+    lines = [Line(i, str(i), URL, {"model": "m", "prompt": p}) for i, p in enumerate(["b x", "a y", "b y", "a x"])]
+    assert [x.body["prompt"] for x in grouped(lines)] == ["a x", "a y", "b x", "b y"]
+
+
+def test_core_bounds_concurrency_retries_busy_answers_and_stops():
+    lines = [Line(i, f"c{i}", URL, {"model": "m", "prompt": f"p{i:02d}"}) for i in range(20)]
+    in_flight, peak, tries, done = 0, 0, {}, []
+
+    async def send(line):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        tries[line.custom_id] = tries.get(line.custom_id, 0) + 1
+        if line.number == 3 and tries[line.custom_id] == 1:
+            raise Unavailable("replica restarting")
+        if line.number == 4 and tries[line.custom_id] < 3:
+            return Answer(429, {"error": {}}, "r")
+        if line.number == 5:
+            return Answer(400, {"error": {"message": "bad"}}, "r")
+        return Answer(200, {"usage": {"completion_tokens": 2}}, "r")
+
+    async def on_done(line, ok, result, tokens):
+        done.append((line.custom_id, ok, result["response"]["status_code"], tokens))
+
+    n = asyncio.run(run_lines(lines, send, on_done, 4, retry_s=0.001))
+    assert n == 20 and peak == 4
+    assert sorted(c for c, *_ in done) == sorted(x.custom_id for x in lines)  # each once
+    assert tries["c3"] == 2 and tries["c4"] == 3
+    assert ("c5", False, 400, 0) in done and ("c0", True, 200, 2) in done
+
+    done.clear()
+    stop = []
+
+    async def on_done_then_stop(line, ok, result, tokens):
+        done.append(line.custom_id)
+        if len(done) == 5:
+            stop.append(True)
+
+    n = asyncio.run(run_lines(lines, send, on_done_then_stop, 2, stopped=lambda: bool(stop), retry_s=0.001))
+    assert 5 <= n < 20 and len(done) == n
