@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,12 @@ class EngineWorker:
     def __call__(self, rows: dict) -> dict:
         lines = [Line(int(n), str(c), str(u), json.loads(b))
                  for n, c, u, b in zip(rows["number"], rows["custom_id"], rows["url"], rows["body"])]
+        started = time.time()
         answers = asyncio.run_coroutine_threadsafe(self._all(lines), self._loop).result()
+        n = len(answers)
         return {"custom_id": [a[0] for a in answers], "ok": [a[1] for a in answers],
                 "result": [json.dumps(a[2]) for a in answers], "tokens": [a[3] for a in answers],
-                "worker": [self._worker] * len(answers)}
+                "worker": [self._worker] * n, "started": [started] * n, "ended": [time.time()] * n}
 
     async def _all(self, lines: list[Line]) -> list[tuple[str, bool, dict, int]]:
         return list(await asyncio.gather(*(self._one(line) for line in lines)))
@@ -77,8 +80,6 @@ def actors_for(model: ModelConfig) -> int:
 
 
 def run_ray_data(todo: list[Line], config: SummitConfig, out: Path, err: Path, progress: bool) -> dict[str, Any]:
-    import time
-
     import ray.data
 
     from app.batch.offline import Progress
@@ -89,7 +90,7 @@ def run_ray_data(todo: list[Line], config: SummitConfig, out: Path, err: Path, p
     ray.data.DataContext.get_current().wait_for_min_actors_s = ENGINE_START_TIMEOUT_S
     counts: dict[str, Any] = {"ran": 0, "completed": 0, "failed": 0, "output_tokens": 0, "workers": {}}
     bar = Progress(len(todo), 0, progress)
-    start = time.monotonic()
+    first, last = float("inf"), 0.0  # when the engines worked on lines (not loading)
     with open(out, "ab") as out_f, open(err, "ab") as err_f:
         for model in config.models:
             lines = [line for line in todo if line.model == model.name]
@@ -109,6 +110,7 @@ def run_ray_data(todo: list[Line], config: SummitConfig, out: Path, err: Path, p
                 concurrency=actors, num_cpus=replica_num_cpus(model),
                 num_gpus=1 if model.accelerator == "gpu" else 0, batch_format="numpy")
             for block in ds.iter_batches(batch_size=None, batch_format="numpy"):
+                first, last = min(first, float(block["started"].min())), max(last, float(block["ended"].max()))
                 for cid, ok, result, tokens, worker in zip(block["custom_id"], block["ok"], block["result"],
                                                            block["tokens"], block["worker"]):
                     (out_f if ok else err_f).write(str(result).encode() + b"\n")
@@ -122,5 +124,5 @@ def run_ray_data(todo: list[Line], config: SummitConfig, out: Path, err: Path, p
         for f in (out_f, err_f):
             os.fsync(f.fileno())
     bar.close()
-    seconds = time.monotonic() - start
+    seconds = max(0.0, last - first)
     return {**counts, "seconds": round(seconds, 2), "tok_per_s": round(counts["output_tokens"] / max(seconds, 1e-9), 1)}
