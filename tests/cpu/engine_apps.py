@@ -28,15 +28,17 @@ def tiny_model(name: str, engine_kwargs: dict | None = None, deployment: dict | 
 
 @contextmanager
 def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env: dict[str, str] | None = None,
-             haproxy: bool = False):
+             haproxy: bool = False, batch: bool = False):
     """A private loopback cluster with one app serving `models` (shipped YAML otherwise); stopped by PID after.
-    `haproxy`: Serve's HAProxy in front, which puts the app on the direct path."""
+    `haproxy`: Serve's HAProxy in front, which puts the app on the direct path; `batch`: keep the YAML's Batch API."""
     cluster = LocalCluster(num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})},
                            haproxy=haproxy)
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
     # vLLM's CPU platform lets this legacy variable (1 GiB in the shipped YAML) override kv_cache_memory_bytes.
     config["applications"][0]["runtime_env"]["env_vars"].pop("VLLM_CPU_KVCACHE_SPACE", None)
     config["applications"][0]["args"]["models"] = models
+    if not batch:
+        config["applications"][0]["args"].pop("batch", None)
     try:
         cluster.start()
         cluster.serve_deploy(config)

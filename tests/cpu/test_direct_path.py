@@ -10,6 +10,7 @@ a dead engine is answered 503 + Retry-After and replaced.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 
@@ -114,9 +115,23 @@ def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
 
 def test_models_of_different_shapes_fall_back_to_two_hops(tiny_model_dir):
     models = [tiny_model("tiny-a"), tiny_model("tiny-c", deployment={"num_cpus": 0.25})]
-    with deployed(models, tiny_model_dir, haproxy=True) as cluster:
+    with deployed(models, tiny_model_dir, haproxy=True, batch=True) as cluster:
         deployments = cluster.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"]
-        assert set(deployments) == {"OpenAIIngress", "LLMServer:tiny-a", "LLMServer:tiny-c"}
+        assert set(deployments) == {"OpenAIIngress", "LLMServer:tiny-a", "LLMServer:tiny-c", "BatchAPI", "BatchRunner"}
+        # the Batch API through the ingress: a multipart upload keeps its content type; lines go to each model's own
+        # deployment
+        client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        lines = [{"custom_id": f"h{i}", "url": "/v1/completions",
+                  "body": {"model": ["tiny-a", "tiny-c"][i % 2], "prompt": f"x {i}", "max_tokens": 2}} for i in range(6)]
+        infile = client.files.create(file=("h.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                                     purpose="batch")
+        batch = client.batches.create(input_file_id=infile.id, endpoint="/v1/completions", completion_window="1h")
+        assert wait_for(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 120)
+        batch = client.batches.retrieve(batch.id)
+        out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        assert batch.status == "completed" and sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+        assert {x["custom_id"]: x["response"]["body"]["model"] for x in out} == {x["custom_id"]: x["body"]["model"]
+                                                                               for x in lines}
         for name in ["tiny-a", "tiny-c"]:
             r = httpx.post(cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2},
                            timeout=60)

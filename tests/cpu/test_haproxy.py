@@ -81,6 +81,35 @@ def test_api_keys_are_required_on_every_openai_route(behind_haproxy, hclient):
     assert not [f.name for f in logs.rglob("*") if f.is_file() and API_KEY.encode() in f.read_bytes()]  # never logged
 
 
+def test_batch_files_and_batches_belong_to_their_key(behind_haproxy, hclient):
+    """With keys on, a file or batch is its key's: another valid key neither lists nor reads it; the runner's own
+    calls to the engine (through a Serve handle) need no key and the batch completes."""
+    import io
+    import json
+    import time
+
+    lines = [{"custom_id": f"k{i}", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "x", "max_tokens": 2}}
+             for i in range(3)]
+    infile = hclient.files.create(file=("k.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                                  purpose="batch")
+    batch = hclient.batches.create(input_file_id=infile.id, endpoint="/v1/completions", completion_window="1h")
+    other = openai.OpenAI(base_url=behind_haproxy.base_url + "/v1", api_key="other-key", max_retries=0, timeout=60)
+    assert infile.id not in {f.id for f in other.files.list().data}
+    with pytest.raises(openai.NotFoundError):
+        other.files.content(infile.id)
+    with pytest.raises(openai.NotFoundError):
+        other.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        other.batches.create(input_file_id=infile.id, endpoint="/v1/completions", completion_window="1h")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=behind_haproxy.base_url + "/v1", api_key="wrong-key", max_retries=0).files.list()
+    deadline = time.monotonic() + 120
+    while (batch := hclient.batches.retrieve(batch.id)).status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    assert infile.id in {f.id for f in hclient.files.list().data}
+
+
 def replica_ports(cluster: LocalCluster) -> list[tuple[str, int]]:
     """The engine replicas' own HTTP ports, as HAProxy's config names them."""
     import re
