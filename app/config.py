@@ -368,7 +368,8 @@ class BatchOptions(_Strict):
     max_file_bytes: int = Field(200 * 2**20, ge=1, description="Largest upload (OpenAI's limit: 200 MB).")
     max_lines: int = Field(50_000, ge=1, description="Most requests in one batch's input file (OpenAI's: 50,000).")
     retention_days: float = Field(30.0, ge=0, description="Files are deleted this long after upload; 0 keeps them.")
-    poll_s: float = Field(1.0, gt=0, description="How often the runner looks for new work, cancellations and expiry.")
+    poll_s: float = Field(1.0, gt=0, description="How often the runner looks for cancellation and expiry while a batch "
+                          "runs (it is woken at once for new batches and cancels).")
 
 
 class SummitConfig(_Strict):

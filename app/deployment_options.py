@@ -194,10 +194,12 @@ def ingress_deployment_options(ingress: IngressOptions) -> dict[str, Any]:
 # The Batch API's store: one replica (the one SQLite writer), on the head node, whose local disk holds the database.
 BATCH_API_OPTIONS: dict[str, Any] = {
     "name": "BatchAPI", "num_replicas": 1, "max_ongoing_requests": 1000,
+    # the runner's calls (several a second during a batch) would fill the replica log and `serve run`'s terminal
+    "logging_config": {"enable_access_log": False},
     "ray_actor_options": {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}}
 
 
 def batch_runner_options() -> dict[str, Any]:
     """The batch runner: one replica; it holds no state (the store does), so Serve may restart it anywhere."""
     return {"name": "BatchRunner", "num_replicas": 1, "max_ongoing_requests": 100, "ray_actor_options": {"num_cpus": 0},
-            "health_check_period_s": 5}
+            "health_check_period_s": 5, "logging_config": {"enable_access_log": False}}

@@ -28,6 +28,8 @@ from deployments.replica_stream import ModelUnavailable, first_response, rest_of
 
 logger = logging.getLogger("ray.serve")
 
+# how often an idle runner looks at the store unasked
+IDLE_POLL_S = 30.0
 # finished lines are recorded in groups: at most this many, or after this long
 _RECORD_EVERY = 64
 _RECORD_AFTER_S = 0.25
@@ -63,6 +65,7 @@ class BatchRunner:
     async def _run(self) -> None:
         last_expiry = 0.0
         while True:
+            self._wake.clear()  # before the look: a batch created during this pass wakes the next one at once
             try:
                 store = self._handle(self._store_name)
                 for batch in await store.active_batches.remote():
@@ -77,9 +80,9 @@ class BatchRunner:
             except Exception:  # noqa: BLE001 — the store restarting, a bug in one batch: log, look again later
                 logger.exception("batch runner: a pass over the batches failed; trying again")
                 await asyncio.sleep(self.options.poll_s)
-            self._wake.clear()
+            # idle: the store wakes this on every create and cancel; the slow look is for a wake that was missed
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.options.poll_s)
+                await asyncio.wait_for(self._wake.wait(), max(self.options.poll_s, IDLE_POLL_S))
 
     async def _work(self, store, batch: dict) -> None:
         batch_id = batch["id"]
