@@ -4,6 +4,9 @@ with no batch running vs while the batch API works through a batch.
 
     python bench/batch.py                       # 2,000 completion lines on the tiny model (CPU)
     python bench/batch.py --lines 200 --max-tokens 8 --online-requests 32   # quick rehearsal
+    # one GPU, Llama-3.1-8B shapes, dummy weights (scripts/gpu_host.sh batch PEER):
+    python bench/batch.py --model-dir DIR --accelerator gpu --load-format dummy --max-num-seqs 256 \
+        --batch-concurrency 256 --offline-concurrency 256 --max-tokens 64 --only api
 
 Output tok/s of each peer counts the time from the start of its work to its last line (engines already loaded: the
 batch API from `batches.create` to `completed`; the command from its first line to its last; LLM.generate its call).
@@ -42,8 +45,11 @@ def batch_lines(ns) -> list[dict]:
 
 
 def engine_kwargs(ns) -> dict:
-    kwargs = {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": ns.max_num_seqs, "enforce_eager": True,
-              "kv_cache_memory_bytes": 256 << 20}
+    kwargs = {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": ns.max_num_seqs}
+    if ns.accelerator == "cpu":
+        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=256 << 20)
+    if ns.load_format:
+        kwargs["load_format"] = ns.load_format
     if ns.priority:
         kwargs["scheduling_policy"] = "priority"
     return kwargs
@@ -56,6 +62,9 @@ def serve_config(ns, model_dir: str) -> dict:
     model = app["args"]["models"][0]
     model["source"] = model_dir
     model["engine_kwargs"] = engine_kwargs(ns)
+    model["accelerator"] = ns.accelerator
+    if ns.accelerator == "gpu":
+        model["deployment"]["num_cpus"] = 1
     app["args"]["batch"] = {**app["args"].get("batch", {}), "max_concurrency": ns.batch_concurrency}
     return config
 
@@ -64,7 +73,7 @@ def bench_api(ns, model_dir: str, lines: list[dict]) -> list[dict]:
     """The Batch API on the direct path; online TTFT before and during the batch."""
     import openai
 
-    cluster = LocalCluster(num_cpus=4, env={"OMP_NUM_THREADS": "1"}, haproxy=True)
+    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=bench_env(ns), haproxy=True)
     rows = []
     try:
         cluster.start()
@@ -108,7 +117,7 @@ def bench_offline(ns, model_dir: str, lines: list[dict], ray_data: bool = False)
     run = subprocess.run([sys.executable, "-m", "app.cli", "batch", str(infile), "-o", str(out), "--config",
                           str(tmp / "c.yaml"), "--num-cpus", "4", "--no-progress", "--concurrency",
                           str(ns.offline_concurrency), *(["--ray-data"] if ray_data else [])], cwd=REPO, capture_output=True, text=True,
-                         env=loopback_env({"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}))
+                         env=loopback_env({"RAY_AUTH_MODE": "disabled", **bench_env(ns)}))
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])
     summary = json.loads(run.stdout.strip().splitlines()[-1])
@@ -122,7 +131,7 @@ def bench_generate(ns, model_dir: str, lines: list[dict]) -> list[dict]:
 import json, time, sys
 from vllm import LLM, SamplingParams
 lines = [json.loads(x) for x in open({str(ns._in)!r})]
-llm = LLM(model={model_dir!r}, **json.loads({json.dumps(json.dumps(engine_kwargs(ns)))}))
+llm = LLM(model={model_dir!r}, **json.loads({json.dumps(json.dumps(generate_kwargs(ns)))}))
 params = SamplingParams(max_tokens={ns.max_tokens}, temperature=0, ignore_eos=True)
 llm.generate([x["body"]["prompt"] for x in lines[:8]], params, use_tqdm=False)
 t0 = time.monotonic()
@@ -130,12 +139,29 @@ outs = llm.generate([x["body"]["prompt"] for x in lines], params, use_tqdm=False
 wall = time.monotonic() - t0
 print("BENCH_RESULT " + json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "wall": wall}}), flush=True)
 """
-    env = loopback_env({"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "RAY_AUTH_MODE": "disabled"})
+    env = loopback_env({"RAY_AUTH_MODE": "disabled", **bench_env(ns)})
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])
     result = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("BENCH_RESULT "))[13:])
     return [row("vllm-generate", ns.lines, result["tokens"], result["wall"])]
+
+
+def bench_env(ns) -> dict[str, str]:
+    """Every peer's engine environment: one OpenMP thread on CPU; NVLink multicast off on GPUs."""
+    if ns.accelerator == "gpu":
+        from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
+
+        return dict(NO_NVLINK_MULTICAST_ENV)
+    return {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def generate_kwargs(ns) -> dict:
+    """LLM.generate's engine: Summit's settings, and on GPUs what Summit's adapter sets for every GPU engine."""
+    kwargs = engine_kwargs(ns)
+    if ns.accelerator == "gpu":
+        kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+    return kwargs
 
 
 def row(peer: str, concurrency: int, tokens: int, wall: float, **extra) -> dict:
@@ -151,6 +177,9 @@ def online_row(peer: str, r: LoadResult, **extra) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", help="model or config dir (default: make the tiny model)")
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--load-format", default=None, help="e.g. dummy (random weights for a config-only dir)")
     p.add_argument("--lines", type=int, default=2000)
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -161,13 +190,13 @@ def main() -> None:
                    help="engines schedule by priority (batch lines below online requests)")
     p.add_argument("--online-requests", type=int, default=64)
     p.add_argument("--online-max-tokens", type=int, default=16)
-    p.add_argument("--only", choices=["api", "offline", "ray-data", "generate"], default=None)
+    p.add_argument("--only", choices=["api", "offline", "ray-data", "generate"], nargs="+", default=None)
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     from app.tiny_model import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-batch-"))
-    model_dir = str(make_tiny_model(tmp / "tiny-llama", max_len=2048))
+    model_dir = ns.model_dir or str(make_tiny_model(tmp / "tiny-llama", max_len=2048))
     lines = batch_lines(ns)
     ns._in = tmp / "lines.jsonl"
     ns._in.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -178,7 +207,7 @@ def main() -> None:
 
     for name, fn in (("api", bench_api), ("offline", bench_offline), ("ray-data", bench_ray_data),
                      ("generate", bench_generate)):
-        if ns.only in (None, name):
+        if ns.only is None or name in ns.only:
             t0 = time.monotonic()
             rows += fn(ns, model_dir, lines)
             print(f"{name}: {time.monotonic() - t0:.0f} s: {rows[-1]}", flush=True)

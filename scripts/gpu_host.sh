@@ -10,6 +10,8 @@
 #   bash scripts/gpu_host.sh pd PEER       # two GPUs, 8B shapes, NIXL (wheels nixl + nixl-cu13 carried in .whl-nixl):
 #                                          # PEER = summit-pd | summit-agg | vllm-pd (bench/pd.py), 8/32/128 streams,
 #                                          # ~2k-token prompts, 256 out
+#   bash scripts/gpu_host.sh batch PEER... # one GPU, 8B shapes: bench/batch.py, PEER = api | offline | generate
+#                                          # (2,000 lines, 64 out, 256 in flight)
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -79,5 +81,11 @@ pd|pd1)
     --max-model-len 8192 --client-procs 8 --only "$peer" --json "$out/gpu-$step-$peer.json" "${extra[@]}" 2>&1 \
     | tee "$out/gpu-$step-$peer.log"
   grep -rl mnnvl /tmp/summit-ray-* /tmp/bench-pd-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
+batch)
+  shift
+  python3 bench/batch.py --model-dir "$model8b" --accelerator gpu --load-format dummy --max-num-seqs 256 \
+    --batch-concurrency 256 --offline-concurrency 256 --max-tokens 64 --only "$@" \
+    --json "$out/gpu-batch-$(IFS=-; echo "$*").json" 2>&1 | tee "$out/gpu-batch-$(IFS=-; echo "$*").log"
+  grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
