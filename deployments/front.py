@@ -7,7 +7,8 @@
 On both: a request for another of the application's models goes on to one of that model's replicas (through a
 Serve handle: a body cut at HAProxy's buffer size reaches the route picker without its model), the engine gets the client's `x-request-id` plus a unique
 suffix (a reused id cannot collide inside vLLM; Serve answers with the client's id), an error that is not a
-stream comes out OpenAI-shaped, and a dead engine answers 503 + Retry-After.
+stream comes out OpenAI-shaped, and a dead engine answers 503 + Retry-After. The Batch API's routes (`/v1/files`,
+`/v1/batches`) go on to the BatchAPI deployment with the caller's owner (a hash of its API key).
 On the direct path the front also bounds the replica's load (`Admission`): Serve's own rejection there is plain text.
 """
 
@@ -100,7 +101,7 @@ class ReplicaFront:
             return
         if method != "POST" or path not in POST_ROUTES:
             status = 405 if path in POST_ROUTES else 404
-            await error_response(status, f"{method} {path} is not served; OpenAI routes: GET /v1/models, "
+            await error_response(status, f"{method} {path} is not served; OpenAI routes: GET /v1/models, /v1/files, /v1/batches, "
                                  f"POST {', '.join(sorted(POST_ROUTES))}")(scope, receive, send)
             return
         body = await _read_body(receive)

@@ -80,6 +80,11 @@ class Disaggregated:
         task, watcher = asyncio.create_task(call()), asyncio.create_task(client_left())
         try:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server cancelled this request (the client's connection closed)
+            task.cancel()
+            stream.cancel()  # the prefill engine aborts the request
+            logger.info("request cancelled by its caller during its prefill: aborted there")
+            raise
         finally:
             watcher.cancel()
         if task not in done:

@@ -160,6 +160,44 @@ def test_the_prefill_engine_holds_no_kv_once_its_requests_are_decoded(pd_app, ht
                     30, interval_s=2), prefill_stats(pd_app)
 
 
+def test_a_client_leaving_during_its_prefill_cancels_it_there(pd_app, http):
+    """The prefill engine is paused (SIGSTOP), so a request stays in its prefill; its client gives up before any
+    byte: the decode replica's front cancels the prefill call (Serve logs it CANCELLED on the prefill replica), the
+    prefill engine, resumed, ends with nothing unfinished and no KV held, and the decode engine never generates a
+    token for it."""
+    import uuid
+
+    request_id = f"gone-in-prefill-{uuid.uuid4().hex[:8]}"
+    logs = pd_app.temp_dir / "session_latest" / "logs" / "serve"
+
+    def cancelled_in_prefill() -> bool:  # Serve's own line for the prefill replica's call, which the front cancelled
+        return any(f"{request_id} -- CALL handle_http CANCELLED" in f.read_text(errors="replace")
+                   for f in logs.glob("replica_*prefill*.log"))
+
+    def decode_tokens() -> int:
+        answers = probe(pd_app.address, "each", APP, POOL, "token_counters", "--replicas", "2")
+        return next(a["generation_tokens"] for a in answers.values() if a["model"] == PD)
+
+    before = decode_tokens()
+    cores = engine_core_processes(prefill_stats(pd_app)["pid"])
+    assert cores
+    for proc in cores:
+        proc.suspend()
+    try:
+        # the front answers nothing before the prefill is done: the client gives up waiting and closes the connection
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", headers={"x-request-id": request_id}, timeout=httpx.Timeout(60, read=1.0),
+                      json={"model": PD, "prompt": document(70), "max_tokens": 16, "stream": True})
+        assert wait_for(cancelled_in_prefill, 30), "the prefill replica's call was not cancelled"
+    finally:
+        for proc in cores:
+            proc.resume()
+    assert wait_for(lambda: (s := prefill_stats(pd_app))["num_unfinished_requests"] == 0 and s["kv_cache_usage"] == 0,
+                    60, interval_s=2), prefill_stats(pd_app)
+    assert decode_tokens() == before  # the request never reached the decode engine
+    assert complete(http, PD, document(71)).status_code == 200  # and the model serves on
+
+
 def test_a_prefill_engine_killed_with_requests_in_flight_falls_back_to_the_decode_engine(pd_app, http):
     stats = prefill_stats(pd_app)
     cores = engine_core_processes(stats["pid"])
