@@ -23,11 +23,12 @@ from app.batch.store import BatchStore, Conflict, NotFound
 from app.config import BatchOptions, expand_env
 from deployments.asgi_bridge import stream_asgi
 from deployments.errors import error_response
+from deployments.handoff import OWNER_HEADER as OWNER
 from deployments.protocol import HTTPRequest, ResponseStart
 
 logger = logging.getLogger("ray.serve")
 
-OWNER_HEADER = "x-summit-owner"
+OWNER_HEADER = OWNER.decode()
 _CHUNK = 1 << 20
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -26,18 +25,14 @@ from typing import Any
 
 from deployments.auth import authorized, unauthorized
 from deployments.errors import error_body, error_response, openai_error_bytes
+from deployments.handoff import BATCH_PREFIXES, OWNER_HEADER, owner_of, relay
 from deployments.model_names import BadModel, model_for
 from deployments.pd import PD_ROUTES, ClientGone, Disaggregated, PrefillFailed, decode_body
 from deployments.protocol import HTTPRequest
-from deployments.replica_stream import ModelUnavailable, first_response, replica_failures
 
 logger = logging.getLogger("ray.serve")
 
 REQUEST_ID_HEADER = b"x-request-id"
-# The Batch API's routes (/v1/files..., /v1/batches...): served by the BatchAPI deployment (deployments/batch_api.py).
-BATCH_PREFIXES = ("/v1/files", "/v1/batches")
-# Who owns a file or batch (a hash of the caller's API key), as the front tells the BatchAPI; a client's own is dropped.
-OWNER_HEADER = b"x-summit-owner"
 # Set in the ASGI scope of a request that came through a Serve handle, not from a client (no API key to check).
 INTERNAL_SCOPE_KEY = "summit.internal"
 REPLICA_HEADER = b"x-summit-replica"
@@ -243,7 +238,7 @@ class ReplicaFront:
         forwarded = HTTPRequest(scope["method"], scope["path"], body, scope.get("query_string", b""),
                                 [(k, v) for k, v in headers if k.lower() != b"authorization"] + [(FORWARDED_HEADER, b"1")],
                                 model=name)
-        await _relay(self._forward(forwarded), name, scope, receive, send)
+        await relay(self._forward(forwarded), name, scope, receive, send)
 
     async def _to_batch_api(self, scope, headers, authorization: bytes | None, receive, send) -> None:
         if self._batch_api is None:
@@ -255,7 +250,7 @@ class ReplicaFront:
         forwarded = HTTPRequest(scope["method"], scope["path"], body, scope.get("query_string", b""),
                                 [(k, v) for k, v in headers if k.lower() not in (b"authorization", OWNER_HEADER)]
                                 + [(OWNER_HEADER, owner)])
-        await _relay(self._batch_api(forwarded), "the Batch API", scope, receive, send)
+        await relay(self._batch_api(forwarded), "the Batch API", scope, receive, send)
 
     async def _list_models(self, scope, receive, send) -> None:
         """vLLM's own entry for this replica's model (max_model_len, root), then the application's other models."""
@@ -356,41 +351,6 @@ class _Coalescer:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-
-
-async def _relay(stream, name: str, scope, receive, send) -> None:
-    """Pass a Serve response stream (another replica's or the BatchAPI's handle_http) on to the client; a client that
-    leaves cancels it."""
-
-    async def cancel_on_disconnect() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        stream.cancel()  # the client left: abort the request there
-
-    watcher = asyncio.create_task(cancel_on_disconnect())
-    try:
-        try:
-            start = await first_response(stream)
-        except ModelUnavailable as e:
-            await error_response(e.status, str(e), headers={"retry-after": e.retry_after})(scope, receive, send)
-            return
-        await send({"type": "http.response.start", "status": start.status, "headers": start.headers})
-        try:
-            with replica_failures():
-                async for chunk in stream:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except ModelUnavailable as e:
-            logger.warning("forwarded request to %s ended early: %s", name, e)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-    finally:
-        watcher.cancel()
-        stream.cancel()  # a no-op after the end
-
-
-def owner_of(authorization: bytes | None) -> bytes:
-    """The owner of the files and batches a caller makes: a hash of its API key (never the key itself)."""
-    token = (authorization or b"").removeprefix(b"Bearer ").strip()
-    return hashlib.sha256(token).hexdigest()[:24].encode()
 
 
 def _header(headers, name: bytes) -> bytes | None:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.config import AuthOptions
 from deployments.auth import authorized, load_api_keys, unauthorized
 from deployments.errors import error_response, openai_error_bytes
-from deployments.front import OWNER_HEADER, owner_of
+from deployments.handoff import OWNER_HEADER, owner_of
 from deployments.model_names import BadModel, model_for
 from deployments.protocol import HTTPRequest, ResponseStart
 from deployments.replica_stream import ModelUnavailable, ReplicaStream, first_response, rest_of_body
