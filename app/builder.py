@@ -85,20 +85,22 @@ def build_app(args: dict[str, Any]) -> Application:
     logger.info("Summit request path: %s (%s)", path, why)
     # each disaggregated model's prefill pool, handed to the deployment of its decode side
     prefill = {m.name: serve.deployment(LLMServer).options(**prefill_deployment_options(m))
-               .bind([(m.pd_side("prefill"), m.resolved_source())]) for m in config.models if m.disaggregation}
+               .bind([(m.pd_side("prefill"), m.resolved_source())],
+                                                                      monitoring=config.monitoring) for m in config.models if m.disaggregation}
     engine_names = engine_deployment_names(config, path)
     batch_api = batch_app(config, engine_names)
     if path == "direct":
         models = [(m, m.resolved_source()) for m in serving]
         engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(serving))
-        engines_app = engines.bind(models, config.auth, prefill, batch_api)
+        engines_app = engines.bind(models, config.auth, prefill, batch_api, config.monitoring)
         if len(models) == 1 and config.models[0].routing.policy == "least_load":
             return engines_app  # HAProxy's own choice (leastconn) is least-load: no routing call per request
         picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines_app)
         return engines_app._with_ingress_request_router(picker)
     servers = {
         m.name: serve.deployment(LLMServer).options(**options[m.name]).bind(
-            [(m, m.resolved_source())], None, {m.name: prefill[m.name]} if m.name in prefill else None)
+            [(m, m.resolved_source())], None, {m.name: prefill[m.name]} if m.name in prefill else None,
+            monitoring=config.monitoring)
         for m in serving
     }
     ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))

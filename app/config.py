@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from app.monitoring import MonitoringOptions
+
 _ENV_REF = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
 
 
@@ -380,6 +382,7 @@ class SummitConfig(_Strict):
     auth: AuthOptions | None = Field(None, description="API keys for the OpenAI routes; off when absent.")
     batch: BatchOptions | None = Field(None, description="The OpenAI Batch API (`/v1/files`, `/v1/batches`); off when "
                                        "absent (`batch: {}` turns it on with the defaults).")
+    monitoring: MonitoringOptions = Field(default_factory=MonitoringOptions, description="Metrics, traces, warm-up.")
     placement_wait_s: float = Field(
         1800.0, ge=-1, description="How long building the app waits for the Ray cluster to have nodes that can hold one "
         "replica of every model (its placement group, or its actor's CPUs/GPU) before the deploy fails naming the missing "

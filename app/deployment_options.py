@@ -140,7 +140,7 @@ def _shape(model: ModelConfig) -> dict[str, Any]:
 def engine_pool_options(models: list[ModelConfig]) -> dict[str, Any]:
     """Serve options of the engine deployment hosting `models` (one model a replica; `pool_problem` must be None):
     the direct path's. A bounded queue (max_queued_requests >= 0) is kept by the replica's front, which answers an
-    overload OpenAI-shaped (deployments/front.Admission): Serve passes every request on to it (a request Serve held
+    overload OpenAI-shaped (deployments/flow.Admission): Serve passes every request on to it (a request Serve held
     back would wait unseen; one Serve refused would get its plain-text answer)."""
     options = llm_deployment_options(models[0])
     if options["max_queued_requests"] >= 0:

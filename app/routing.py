@@ -158,6 +158,10 @@ class AffinityTable:
             self._owner.move_to_end(key)
         return replica
 
+    def peek(self, key: str) -> str | None:
+        """The key's owner, without marking it recently used."""
+        return self._owner.get(key)
+
     def owned(self) -> Mapping[str, int]:
         return self._owned
 

@@ -7,7 +7,7 @@ One app serves the same model twice, `p2c` (Serve's power-of-two choices) and `a
 2 replicas each (4 engines). Each policy gets the same requests in the same order: every request is one of
 `--systems` system prompts (≥ 256 tokens each) followed by a short question, streamed at `--concurrency`.
 Prints, per policy, vLLM's own prefix-cache hit rate (`vllm:prefix_cache_hits / queries`, summed over the
-replicas, read through `LLMServer.prefix_cache_stats`), TTFT p50/p99, output tok/s and how requests split over
+replicas, read from Ray's metrics endpoint), TTFT p50/p99, output tok/s and how requests split over
 replicas; then affinity's ratios to p2c. Not a test: nothing is asserted.
 
 The default KV cache (`--kv-cache-tokens`) is sized so one replica holds about two thirds of the system prompts: the
@@ -33,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
-from tests.replica_probe import probe  # noqa: E402
+from tests.ray_metrics import scrape, settled, total  # noqa: E402
 from bench.loadgen import LoadResult, stream_completion  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,9 +111,13 @@ async def run_policy(base_url: str, model: str, prompts: list[str], concurrency:
     return LoadResult(concurrency, len(prompts), totals["tokens"], wall, ttfts, totals["errors"]), replicas
 
 
-def cache_totals(cluster: LocalCluster, model: str, replicas: int) -> dict[str, int]:
-    stats = probe(cluster.address, "each", APP, f"LLMServer:{model}", "prefix_cache_stats", "--replicas", str(replicas))
-    return {k: sum(s[k] for s in stats.values()) for k in ("queries", "hits")}
+def cache_totals(cluster: LocalCluster, model: str, replicas: int) -> dict[str, float]:
+    """vLLM's prefix-cache counters of the model's engines, summed, as Ray's metrics endpoint exports them."""
+    def read() -> dict[str, float]:
+        s = scrape(cluster)
+        return {k: total(s, f"ray_vllm_prefix_cache_{k}_total", model_name=model) for k in ("queries", "hits")}
+
+    return settled(read)
 
 
 def measure(cluster: LocalCluster, ns: argparse.Namespace, model: str, prompts: list[str]) -> dict:

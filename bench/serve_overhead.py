@@ -12,7 +12,9 @@
 `--rounds N` alternates the peers N times and reports each one's median round. `--models N` serves N models of one
 shape (one engine each) and spreads the load over them: Summit as one application (one base URL, the direct path's
 route picker), vLLM as N api_servers (the client picks each model's server); Ray Serve LLM's direct streaming takes
-one model per application and is left out.
+one model per application and is left out. `--monitoring-cost` runs only Summit, with its monitoring off and on
+(metrics and traces), and prints the on/off ratios of CPU-seconds (every process of the Ray cluster, metrics agent
+included) per 1,000 output tokens and of tok/s.
 Prints output tok/s and TTFT p50/p99 of each and Summit's ratio to vLLM. Not a test: nothing is asserted.
 `--json FILE` writes `[{peer, concurrency, out_tok_s, ttft_p50_ms, ttft_p99_ms, ...}]`.
 """
@@ -161,7 +163,7 @@ def bench_vllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: in
 
 
 def bench_summit(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1,
-                 haproxy: bool = False) -> tuple[float, list[LoadResult]]:
+                 haproxy: bool = False, monitoring: dict | None = None) -> tuple[float, list[LoadResult]]:
     models = [{"name": name, "source": model_dir, "accelerator": ns.accelerator, "tensor_parallel_size": tp,
                "gpus_per_node": max(tp, 1), "engine_kwargs": engine_kwargs(ns), "stream_coalesce_ms": ns.coalesce_ms,
                "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas}}
@@ -169,8 +171,14 @@ def bench_summit(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: 
     config = {"proxy_location": "HeadOnly", "applications": [{
         "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
         "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
-        "args": {"models": models}}]}
+        "args": {"models": models, **({"monitoring": monitoring} if monitoring else {})}}]}
     return serve_peer(ns, config, engine_env(ns), haproxy)
+
+
+# Monitoring's cost (--monitoring-cost): metrics (vLLM's and Summit's, through Ray's metrics system) and traces (every
+# request, kept by the SDK's in-memory exporter: the span work without an exporter's network) off vs on.
+MONITORING_OFF = {"metrics": False, "tracing": {"exporter": "none"}}
+MONITORING_ON = {"metrics": True, "tracing": {"exporter": "memory"}}
 
 
 def serve_peer(ns: argparse.Namespace, config: dict, env: dict[str, str], haproxy: bool) -> tuple[float, list[LoadResult]]:
@@ -246,6 +254,8 @@ def main() -> None:
     p.add_argument("--models", type=int, default=1, help="models of one shape, one engine each, the load spread over "
                    "them (Summit: one application; vLLM: one api_server each; Ray Serve LLM: not with N > 1)")
     p.add_argument("--only", choices=["vllm", "summit", "summit-hops", "rayllm"], default=None)
+    p.add_argument("--monitoring-cost", action="store_true", help="only Summit, monitoring off vs on (metrics and "
+                   "traces), alternating; prints the CPU-seconds per 1,000 tokens and tok/s ratios")
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     if ns.coalesce_ms is None:
@@ -267,8 +277,12 @@ def main() -> None:
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in ns.layouts]
     peers = {"vllm": bench_vllm,
              "summit": lambda ns, model_dir, tp, r: bench_summit(ns, model_dir, tp, r, haproxy=True),
-             "summit-hops": bench_summit, "rayllm": bench_rayllm}
+             "summit-hops": bench_summit, "rayllm": bench_rayllm,
+             "summit-monitoring-off": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, MONITORING_OFF),
+             "summit-monitoring-on": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, MONITORING_ON)}
     wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set()) | ({"rayllm"} if ns.rayllm else set())
+    if ns.monitoring_cost:
+        wanted = {"summit-monitoring-off", "summit-monitoring-on"}
     if ns.models > 1 and "rayllm" in wanted:
         raise SystemExit("--rayllm takes one model: Ray Serve LLM 2.60's direct streaming serves one model per application")
     rounds: dict[str, list[tuple[float, list[LoadResult]]]] = {}
@@ -294,6 +308,12 @@ def main() -> None:
             for v, s in zip(results[base][1], results[name][1]):
                 print(f"ratio {name}/{base} at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
                       f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x")
+    off, on = results.get("summit-monitoring-off"), results.get("summit-monitoring-on")
+    if off and on:
+        for a, b in zip(off[1], on[1]):
+            print(f"ratio monitoring on/off at c={a.concurrency}: CPU s/1k tok "
+                  f"{(b.cpu_per_1k_tok() or 0) / (a.cpu_per_1k_tok() or float('nan')):.3f}x, tok/s "
+                  f"{b.tok_per_s / a.tok_per_s:.3f}x")
     if bound:
         for name, (_, rows) in results.items():
             for r in rows:

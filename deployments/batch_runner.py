@@ -23,6 +23,7 @@ from ray import serve
 from app.batch.core import Answer, Unavailable, run_lines
 from app.batch.lines import Line, parse_lines, unrun_line
 from app.config import BatchOptions
+from deployments import metrics
 from deployments.protocol import HTTPRequest
 from deployments.replica_stream import ModelUnavailable, first_response, rest_of_body
 
@@ -45,6 +46,9 @@ class BatchRunner:
         self._priority = set(priority_models)
         self._handles: dict[str, object] = {}
         self._wake = asyncio.Event()
+        for model in engines:  # the progress counters at 0 before the first line
+            for outcome in ("completed", "failed"):
+                metrics.batch_line(model, outcome, 0)
         self._task = asyncio.get_running_loop().create_task(self._run())
         self.current: str | None = None
 
@@ -68,7 +72,9 @@ class BatchRunner:
             self._wake.clear()  # before the look: a batch created during this pass wakes the next one at once
             try:
                 store = self._handle(self._store_name)
-                for batch in await store.active_batches.remote():
+                active = await store.active_batches.remote()
+                metrics.batches_active(len(active))
+                for batch in active:
                     self.current = batch["id"]
                     await self._work(store, batch)
                 self.current = None
@@ -137,6 +143,7 @@ class BatchRunner:
 
         async def done(line: Line, ok: bool, result: dict, tokens: int) -> None:
             pending.append((line.custom_id, line.number, ok, result))
+            metrics.batch_line(line.model, "completed" if ok else "failed")
             if len(pending) >= _RECORD_EVERY:
                 await flush()
 

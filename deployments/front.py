@@ -15,20 +15,23 @@ On the direct path the front also bounds the replica's load (`Admission`): Serve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import math
+import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from deployments.auth import authorized, unauthorized
 from deployments.errors import error_body, error_response, openai_error_bytes
+from deployments.flow import Admission, Coalescer
 from deployments.handoff import BATCH_PREFIXES, OWNER_HEADER, owner_of, relay
+from deployments.metrics import ReplicaMetrics
 from deployments.model_names import BadModel, model_for
+from deployments.observe import ARRIVAL_HEADER, RequestWatch
 from deployments.pd import PD_ROUTES, ClientGone, Disaggregated, PrefillFailed, decode_body
 from deployments.protocol import HTTPRequest
+from deployments.tracing import Tracing
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,7 +53,8 @@ class ReplicaFront:
     def __init__(self, engine_app, model: str, models: Sequence[str], keys: list[bytes] | None,
                  engine_dead: Callable[[], bool], replica_id: str, model_cards: dict[str, dict] | None = None,
                  forward: Callable[[HTTPRequest], Any] | None = None, coalesce_s: float = 0.0,
-                 batch_api: Callable[[HTTPRequest], Any] | None = None):
+                 batch_api: Callable[[HTTPRequest], Any] | None = None,
+                 model_ready: Callable[[str], Awaitable[bool]] | None = None):
         self._app = engine_app
         # a stream's chunks after its first are gathered for up to this long and sent as one (stream_coalesce_ms)
         self._coalesce_s = coalesce_s
@@ -65,10 +69,15 @@ class ReplicaFront:
         self._replica_id = replica_id.encode()
         # /v1/models entries of the application's other models (this replica's own comes from vLLM)
         self._cards = model_cards or {}
+        # whether another model of the application has a replica that can answer now (None: all are listed)
+        self._model_ready = model_ready
         # the direct path's bound on running + waiting requests (None: Serve bounds them, as on the two-hop path)
         self.admission: Admission | None = None
         # a disaggregated model's decode side: its prompts are prefilled by its prefill pool first (deployments/pd.py)
         self.disaggregated: Disaggregated | None = None
+        # what generation requests record (monitoring:): serving metrics and traces; None = off
+        self.metrics: ReplicaMetrics | None = None
+        self.tracing: Tracing | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":  # vLLM's app was started with its engine; nothing to start or stop here
@@ -112,21 +121,37 @@ class ReplicaFront:
             await error_response(503, "The model engine of this replica has died; it is being replaced. Retry.",
                                  headers={"retry-after": RETRY_AFTER_S})(scope, receive, send)
             return
+        watch = None
+        if path in PD_ROUTES and (self.metrics is not None or self.tracing is not None):  # generation: measured
+            watch = RequestWatch(self.metrics, self.tracing, scope, headers, self._replica_id.decode(), self.model,
+                                 bool(scope.get(INTERNAL_SCOPE_KEY)))
         if self.admission is None:
-            await self._serve(scope, headers, body, receive, send)
+            await self._serve(scope, headers, body, receive, send, watch)
             return
         if self.admission.full():
+            if self.metrics is not None:
+                self.metrics.overload_rejection()
             await self.admission.reject(self.model)(scope, receive, send)
             return
+        queued_ns = time.time_ns()
         async with self.admission.slot():
-            await self._serve(scope, headers, body, receive, send)
+            if watch is not None:
+                watch.span("summit.queue", queued_ns, time.time_ns())
+            await self._serve(scope, headers, body, receive, send, watch)
 
-    async def _serve(self, scope, headers, body: bytes, receive, send) -> None:
+    async def _serve(self, scope, headers, body: bytes, receive, send, watch: RequestWatch | None = None) -> None:
         if self.disaggregated is not None and scope["path"] in PD_ROUTES:
+            started_ns = time.time_ns()
             body = await self._prefill_first(scope, headers, body, receive, send)
+            if watch is not None:
+                watch.span("summit.prefill_pool", started_ns, time.time_ns())
             if body is None:  # answered (or the client left)
+                if watch is not None:
+                    watch.end()
                 return
-        await self._to_engine(scope, headers, body, receive, send)
+        await self._to_engine(scope, headers, body, receive, send, watch)
+        if watch is not None:
+            watch.end()
 
     async def _prefill_first(self, scope, headers, body: bytes, receive, send) -> bytes | None:
         """A disaggregated model's prompt runs on its prefill pool first (deployments/pd.py); the body the decode
@@ -163,7 +188,7 @@ class ReplicaFront:
             return None
         return decode_body(payload, answer["kv_transfer_params"])
 
-    async def _to_engine(self, scope, headers, body: bytes, receive, send) -> None:
+    async def _to_engine(self, scope, headers, body: bytes, receive, send, watch: RequestWatch | None = None) -> None:
         client_id = _header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
         engine_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
         engine_headers += [(REQUEST_ID_HEADER, client_id + b"-" + uuid.uuid4().hex[:8].encode()),
@@ -174,6 +199,8 @@ class ReplicaFront:
             nonlocal body_given
             if not body_given:
                 body_given = True
+                if watch is not None:
+                    watch.engine_received()
                 return {"type": "http.request", "body": body, "more_body": False}
             message = await receive()  # http.disconnect when the client goes: vLLM aborts the engine request
             if message["type"] == "http.disconnect":
@@ -185,9 +212,11 @@ class ReplicaFront:
             if not answered:
                 answered = True  # once
                 logger.info("request %s cancelled by its caller: aborting it in the engine", client_id.decode())
+                if watch is not None:
+                    watch.end(aborted=True)
 
         error: dict | None = None  # a non-stream error response, buffered to reshape it
-        stream: _Coalescer | None = None  # a streamed (SSE) answer
+        stream: Coalescer | None = None  # a streamed (SSE) answer
 
         async def engine_send(message: dict) -> None:
             nonlocal error, answered, stream
@@ -196,6 +225,9 @@ class ReplicaFront:
             if message["type"] == "http.response.start":
                 out = [(k, v) for k, v in message.get("headers", []) if k.lower() not in _DROP_RESPONSE_HEADERS]
                 out.append((REPLICA_HEADER, self._replica_id))  # Serve adds the x-request-id it was given
+                if watch is not None:
+                    watch.status = message["status"]
+                    watch.response_headers(out)
                 message = {**message, "headers": out}
                 is_sse = (_header(out, b"content-type") or b"").startswith(b"text/event-stream")
                 if message["status"] >= 500 and self._engine_dead():  # the engine died under this request
@@ -206,8 +238,13 @@ class ReplicaFront:
                     error = {"start": message, "body": []}
                     return
                 if is_sse and self._coalesce_s > 0:
-                    stream = _Coalescer(send, self._coalesce_s)
-            elif message["type"] == "http.response.body" and error is not None:
+                    stream = Coalescer(send, self._coalesce_s)
+            elif watch is not None and message["type"] == "http.response.body":
+                if not message.get("more_body", False):
+                    watch.end()
+                elif message.get("body"):
+                    watch.first_output()
+            if message["type"] == "http.response.body" and error is not None:
                 error["body"].append(message.get("body", b""))
                 if message.get("more_body", False):
                     return
@@ -236,7 +273,8 @@ class ReplicaFront:
                                  headers={"retry-after": RETRY_AFTER_S})(scope, receive, send)
             return
         forwarded = HTTPRequest(scope["method"], scope["path"], body, scope.get("query_string", b""),
-                                [(k, v) for k, v in headers if k.lower() != b"authorization"] + [(FORWARDED_HEADER, b"1")],
+                                [(k, v) for k, v in headers if k.lower() not in (b"authorization", ARRIVAL_HEADER)]
+                                + [(FORWARDED_HEADER, b"1"), (ARRIVAL_HEADER, f"{time.time():.6f}".encode())],
                                 model=name)
         await relay(self._forward(forwarded), name, scope, receive, send)
 
@@ -267,90 +305,12 @@ class ReplicaFront:
                         receive, capture)
         if captured.get("status") == 200:
             own = json.loads(b"".join(captured["body"]))["data"]
-        data = own + [self._cards.get(m, {"id": m, "object": "model", "owned_by": "summit"})
-                      for m in self._models if m != self.model]
+        others = [m for m in self._models if m != self.model]
+        if self._model_ready is not None:  # a model is listed once one of its replicas has started (and warmed up)
+            ready = await asyncio.gather(*(self._model_ready(m) for m in others))
+            others = [m for m, ok in zip(others, ready) if ok]
+        data = own + [self._cards.get(m, {"id": m, "object": "model", "owned_by": "summit"}) for m in others]
         await _send_json(send, 200, {"object": "list", "data": data})
-
-
-class Admission:
-    """A replica's bound on the direct path: `ongoing` requests run in the engine at once, up to `queued` more wait
-    here in arrival order, and one more is answered `status` (429 or 503, the deployment's overload_status_code) with
-    Retry-After, OpenAI-shaped. Serve's replica would bound them too, but it answers in plain text; so on this path
-    Serve passes every request on and this bounds them (app/deployment_options.engine_pool_options)."""
-
-    def __init__(self, ongoing: int, queued: int, status: int, retry_after_s: float):
-        self.ongoing, self.queued, self.status = ongoing, queued, status
-        self.retry_after = str(math.ceil(retry_after_s))
-        self._running = 0
-        self._waiting = 0
-        self._free = asyncio.Semaphore(ongoing)
-
-    def full(self) -> bool:
-        return self._running >= self.ongoing and self._waiting >= self.queued
-
-    @contextlib.asynccontextmanager
-    async def slot(self):
-        self._waiting += 1
-        try:
-            await self._free.acquire()  # a client that leaves while waiting is cancelled here
-        finally:
-            self._waiting -= 1
-        self._running += 1
-        try:
-            yield
-        finally:
-            self._running -= 1
-            self._free.release()
-
-    def reject(self, model: str):
-        return error_response(
-            self.status, f"Model {model!r} is overloaded: {self.ongoing} requests running and {self.queued} queued on "
-            f"this replica. Retry after {self.retry_after} s.", headers={"retry-after": self.retry_after})
-
-
-class _Coalescer:
-    """A stream's body chunks: the first goes at once (it carries the time to first token); later ones are gathered
-    for up to `window_s` after the first of them and sent as one message, so a busy replica makes fewer, larger
-    writes (fewer wake-ups of its HTTP server, HAProxy and the client) at the cost of that much smoothness."""
-
-    def __init__(self, send, window_s: float):
-        self._send = send
-        self._window_s = window_s
-        self._chunks: list[bytes] = []
-        self._timer: asyncio.Task | None = None
-        self._lock = asyncio.Lock()  # sends in order, one at a time
-        self._first = True
-
-    async def body(self, chunk: bytes, more_body: bool) -> None:
-        if more_body and not self._first:
-            self._chunks.append(chunk)
-            if self._timer is None:
-                self._timer = asyncio.create_task(self._flush_later())
-            return
-        self._first = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        await self._flush(chunk, more_body)
-
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(self._window_s)
-        self._timer = None  # from here on a later chunk starts a new window; this flush is no longer cancelled
-        try:
-            await self._flush(b"", True)
-        except Exception:  # noqa: BLE001 — the client left; the app's own send sees it too
-            pass
-
-    async def _flush(self, tail: bytes, more_body: bool) -> None:
-        async with self._lock:
-            data = b"".join(self._chunks) + tail
-            self._chunks.clear()
-            if data or not more_body:
-                await self._send({"type": "http.response.body", "body": data, "more_body": more_body})
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
 
 
 def _header(headers, name: bytes) -> bytes | None:

@@ -9,6 +9,7 @@ error OpenAI-shaped.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -21,8 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.config import AuthOptions
 from deployments.auth import authorized, load_api_keys, unauthorized
 from deployments.errors import error_response, openai_error_bytes
-from deployments.handoff import OWNER_HEADER, owner_of
+from deployments.handoff import OWNER_HEADER, can_route, owner_of
 from deployments.model_names import BadModel, model_for
+from deployments.observe import ARRIVAL_HEADER
 from deployments.protocol import HTTPRequest, ResponseStart
 from deployments.replica_stream import ModelUnavailable, ReplicaStream, first_response, rest_of_body
 
@@ -70,19 +72,20 @@ class OpenAIIngress:
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        """Every model's own /v1/models answer (vLLM's, with max_model_len), merged into one list."""
+        """Every model's own /v1/models answer (vLLM's, with max_model_len), merged into one list: a model is listed
+        once one of its replicas has started and answered its warm-up, not before."""
         if denied := self._denied(request):
             return denied
         data = []
         for name in self._servers:
+            if not await can_route(self._servers[name], HTTPRequest("GET", "/v1/models")):
+                continue
             try:
                 start, body = await self._call(name, HTTPRequest("GET", "/v1/models"))
-            except ModelUnavailable:  # restarting replicas: still list the model, without engine details
-                start, body = None, b""
-            if start is not None and start.status == 200:
+            except ModelUnavailable:  # its replica went away meanwhile
+                continue
+            if start.status == 200:
                 data.extend(json.loads(body)["data"])
-            else:
-                data.append({"id": name, "object": "model", "owned_by": "summit"})
         return JSONResponse({"object": "list", "data": data})
 
     @api.post("/v1/completions")
@@ -135,13 +138,16 @@ class OpenAIIngress:
         # Serve's proxy answers with the client's x-request-id (or its own); the replica's front gives the engine
         # that id plus a unique suffix.
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        arrival = time.time()
         body = await request.body()
         try:
             name = model_for(body, list(self._servers))
         except BadModel as e:
             return error_response(e.status, str(e), param=e.param)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _DROP_REQUEST_HEADERS]
-        headers += [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+        headers = [(k, v) for k, v in headers if k.lower() != ARRIVAL_HEADER]
+        headers += [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode()),
+                    (ARRIVAL_HEADER, f"{arrival:.6f}".encode())]
         forwarded = HTTPRequest("POST", request.url.path, body, request.url.query.encode(), headers)
         try:
             stream = self._servers[name].options(stream=True).handle_http.remote(forwarded)

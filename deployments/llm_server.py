@@ -9,22 +9,28 @@ model in `record_routing_stats` for the routers. On the two-hop path the OpenAII
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import logging.handlers
 import os
+import threading
 from collections.abc import AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.config import AuthOptions, ModelConfig
+from app.monitoring import MonitoringOptions
 from app.deployment_options import pool_model_index
-from deployments import vllm_adapter
+from deployments import metrics, vllm_adapter
 from deployments.asgi_bridge import stream_asgi
 from deployments.auth import load_api_keys
-from deployments.front import INTERNAL_SCOPE_KEY, Admission, ReplicaFront
+from deployments.flow import Admission
+from deployments.front import INTERNAL_SCOPE_KEY, ReplicaFront
+from deployments.handoff import can_route
 from deployments.pd import Disaggregated
 from deployments.protocol import HTTPRequest, ResponseStart
+from deployments.tracing import Tracing
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,18 +39,29 @@ class LLMServer:
     """One replica = one AsyncLLM + vLLM's OpenAI FastAPI app bound to it (no subprocess, no extra port)."""
 
     async def __init__(self, models: list[tuple[ModelConfig, str]], auth: AuthOptions | None = None,
-                       prefill: dict[str, DeploymentHandle] | None = None, batch_api: DeploymentHandle | None = None):
+                       prefill: dict[str, DeploymentHandle] | None = None, batch_api: DeploymentHandle | None = None,
+                       monitoring: MonitoringOptions | None = None):
         """`models`: (config, resolved source) of each model this deployment hosts, one per replica; `auth`: the API
         keys when this deployment is the HTTP entry (direct path); `prefill`: the prefill pool of each disaggregated
         model among them (this deployment is then that model's decode pool); `batch_api`: the Batch API's store, which
-        the HTTP entry hands /v1/files and /v1/batches to (direct path, batch on)."""
+        the HTTP entry hands /v1/files and /v1/batches to (direct path, batch on); `monitoring`: metrics, traces and
+        the warm-up (app/monitoring.py)."""
+        monitoring = monitoring or MonitoringOptions()
         self._replica_id = _replica_id()
         model, source = models[pool_model_index(_replica_rank(), [m.deployment.num_replicas for m, _ in models])]
         self.model = model.name
-        with _serve_log_file_kept():
+        metrics.enable(monitoring.metrics)
+        self._metrics = metrics.ReplicaMetrics(model.name, self._replica_id)
+        with _serve_log_file_kept(), _LoadProgress(self._metrics, model.name):
             args = vllm_adapter.serve_namespace(source, model.name, model.engine_args(), model.frontend_kwargs)
             logger.info("Starting vLLM %s for %s from %s", vllm_adapter.vllm_version(), model.name, source)
-            self._engine_app = await vllm_adapter.start_engine_app(args)
+            self._metrics.load_stage("engine")
+            self._engine_app = await vllm_adapter.start_engine_app(args, metrics=monitoring.metrics)
+            if monitoring.warmup:
+                self._metrics.load_stage("warmup")
+                await _warm_up(self._engine_app.app, model.name)
+        self._metrics.load_stage("ready")
+        logger.info("Replica of %s ready: its engine answered%s", model.name, " a warm-up request" if monitoring.warmup else "")
         self._coalesce_s = model.stream_coalesce_ms / 1000.0
         keys = load_api_keys(auth.api_keys_env, auth.api_keys_file) if auth else None
         self._front = ReplicaFront(
@@ -53,7 +70,13 @@ class LLMServer:
             {m.name: _model_card(m, src) for m, src in models}, self._forward if len(models) > 1 else None,
             coalesce_s=self._coalesce_s,
             batch_api=(lambda request, h=batch_api.options(stream=True): h.handle_http.remote(request))
-            if batch_api is not None else None)
+            if batch_api is not None else None, model_ready=self._model_ready if len(models) > 1 else None)
+        self._front.metrics = self._metrics if monitoring.metrics else None
+        self._metrics.start_counters()
+        if monitoring.metrics:
+            self._engine_metrics = metrics.EngineMetricsBridge(vllm_adapter.engine_metric_samples, self._replica_id).start()
+        self._tracing = Tracing(monitoring.tracing)
+        self._front.tracing = self._tracing if self._tracing.enabled else None
         self._own_handle = None
         if prefill and model.name in prefill:
             handle = prefill[model.name].options(stream=True)
@@ -69,6 +92,13 @@ class LLMServer:
             context = serve.get_replica_context()
             self._own_handle = serve.get_deployment_handle(context.deployment, context.app_name)
         return self._own_handle.options(stream=True).handle_http.remote(request)
+
+    async def _model_ready(self, name: str) -> bool:
+        """Whether another model of this deployment has a running replica (it is listed in /v1/models only then)."""
+        if self._own_handle is None:
+            context = serve.get_replica_context()
+            self._own_handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        return await can_route(self._own_handle, HTTPRequest("POST", "", model=name))
 
     async def __serve_build_asgi_app__(self):
         """The direct path's HTTP app (Serve calls this after __init__ when the deployment is the ingress). A bounded
@@ -101,7 +131,10 @@ class LLMServer:
         await vllm_adapter.check_engine_health(self._engine_app.engine)
 
     def stats(self) -> dict:
-        """What the engine itself reports, for tests and operators."""
+        """This replica's process and the requests its engine holds right now. Kept beside the metrics (which the
+        tests read through Ray's metrics endpoint) for two reasons: the pid (tests stop or kill the engine's
+        process), and live values (a metric is only as fresh as Ray's last report, seconds old, and Ray drops a gauge
+        that stops changing: an idle engine's KV usage would be gone)."""
         return {
             "replica_id": self._replica_id,
             "model": self.model,
@@ -110,18 +143,9 @@ class LLMServer:
             "kv_cache_usage": vllm_adapter.kv_cache_usage(),
         }
 
-    def token_counters(self) -> dict:
-        """vLLM's own count of tokens this replica's engine has generated (not in `stats()`, which tests poll
-        often: reading vLLM's metrics registry takes far longer than the request count)."""
-        return {"replica_id": self._replica_id, "model": self.model, "generation_tokens": vllm_adapter.generated_tokens()}
-
-    def prefix_cache_stats(self) -> dict:
-        """vLLM's own prefix-cache counters for this replica's engine: prompt tokens queried and found cached."""
-        return {"replica_id": self._replica_id, "model": self.model, **vllm_adapter.prefix_cache_counters()}
-
-    def kv_transfer_stats(self) -> dict:
-        """What this replica's engine took from its KV connector (a disaggregated model's decode side)."""
-        return {"replica_id": self._replica_id, "model": self.model, **vllm_adapter.kv_transfer_counters()}
+    def recent_spans(self, trace_id: str | None = None) -> dict:
+        """The spans this replica recorded (of one trace), with `monitoring.tracing.exporter: memory` (tests)."""
+        return {"replica_id": self._replica_id, "model": self.model, "spans": self._tracing.recent_spans(trace_id)}
 
     def __del__(self):
         # Without this each replica leaks its engine's shared-memory segments and sockets.
@@ -147,6 +171,50 @@ def _serve_log_file_kept():
         for handler, target in kept:
             if handler.target is None:
                 handler.setTarget(target)
+
+
+class _LoadProgress:
+    """While the engine starts (vLLM loads the weights, profiles the KV cache and compiles, blocking this replica's
+    event loop), a thread logs every `every_s` how long the current stage has taken and updates its gauge, so a
+    start of many minutes shows where it is (vLLM's own lines on each step go to the replica's stderr)."""
+
+    def __init__(self, replica_metrics: metrics.ReplicaMetrics, model: str, every_s: float = 30.0):
+        self._metrics, self._model, self._every_s = replica_metrics, model, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="summit-load-progress", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            stage, seconds = self._metrics.stage_elapsed()
+            if stage is not None:
+                self._metrics.stage_seconds(stage, seconds)
+                logger.info("%s: replica start, stage %s for %.0f s so far", self._model,
+                            {"engine": "engine start (weights, KV-cache profiling, compilation)",
+                             "warmup": "warm-up request"}.get(stage, stage), seconds)
+
+
+async def _warm_up(engine_app, model: str) -> None:
+    """One short completion through vLLM's app before the replica takes traffic: the replica is ready (Serve marks
+    it running, /v1/models lists it) only once its engine has answered."""
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
+    request = HTTPRequest("POST", "/v1/completions", body, headers=[(b"content-type", b"application/json"),
+                                                                     (b"x-request-id", b"summit-warmup")])
+    status, answer = None, b""
+    async for item in stream_asgi(engine_app, request):
+        if isinstance(item, ResponseStart):
+            status = item.status
+        else:
+            answer += item
+    if status != 200:
+        raise RuntimeError(f"the warm-up request to {model}'s engine failed ({status}): {answer[:500]!r}; set "
+                           "monitoring.warmup: false to start without it")
 
 
 def _model_card(model: ModelConfig, source: str) -> dict:

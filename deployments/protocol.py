@@ -20,6 +20,10 @@ class HTTPRequest:
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         return next((v for k, v in self.headers if k.lower() == name), default)
 
+    def set_header(self, name: bytes, value: bytes) -> None:
+        """Replace every `name` header (a client's too) with one."""
+        self.headers = [(k, v) for k, v in self.headers if k.lower() != name] + [(name, value)]
+
     def scope(self) -> dict:
         return {
             "type": "http",

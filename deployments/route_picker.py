@@ -16,13 +16,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import metrics
+from deployments.handoff import chosen_replica
 from deployments.protocol import HTTPRequest
+from deployments.tracing import DECISION_HEADER, decision_value
 
 logger = logging.getLogger("ray.serve")
 
@@ -57,18 +61,19 @@ class RoutePicker:
         session = request.headers.get("x-session-id")
         handle = self._engines.options(session_id=session) if session else self._engines
         try:
-            replica_id = await asyncio.wait_for(self._pick(handle, wanted), PICK_TIMEOUT_S)
+            replica_id = await asyncio.wait_for(chosen_replica(handle, wanted), PICK_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 — no replica of that model now: any replica answers the client
             logger.warning("no replica of model %r within %.0f s (%s); any replica answers", wanted.model,
                            PICK_TIMEOUT_S, type(e).__name__)
-            replica_id = await asyncio.wait_for(self._pick(self._engines, HTTPRequest("POST", "")), PICK_TIMEOUT_S)
-        return JSONResponse({"replica_id": replica_id})
+            started = time.time()
+            replica_id = await asyncio.wait_for(chosen_replica(self._engines, HTTPRequest("POST", "")), PICK_TIMEOUT_S)
+            metrics.routing_decision(wanted.model, "any", "fallback")
+            wanted.set_header(DECISION_HEADER, decision_value("any", "fallback", "", started, time.time()).encode())
+        # HAProxy sets these on the request it sends to the replica (x-serve-router-*: a client's are dropped)
+        decision = wanted.header(DECISION_HEADER)
+        return JSONResponse({"replica_id": replica_id,
+                             "request_headers": {DECISION_HEADER.decode(): decision.decode()} if decision else {}})
 
     @picker_api.get("/health")
     async def health(self) -> Response:
         return Response(status_code=200)
-
-    @staticmethod
-    async def _pick(handle: DeploymentHandle, wanted: HTTPRequest) -> str:
-        async with handle.choose_replica(wanted, _reserve=False) as selection:
-            return selection._replica.replica_id.to_full_id_str()

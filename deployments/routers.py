@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app import routing
+from deployments import metrics
 from deployments.protocol import HTTPRequest
+from deployments.tracing import DECISION_HEADER, decision_value
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,6 +39,7 @@ class _Policy:
     # Whether only the chosen replica may take a keyed request. When False, the other replicas form a
     # second rank that Serve tries (least loaded first) if the chosen one is full.
     strict = False
+    name = "least_load"
 
     def __init__(self, max_tracked: int = routing.DEFAULT_MAX_TRACKED):
         self.table = routing.AffinityTable(max_tracked)
@@ -46,6 +50,15 @@ class _Policy:
     def decide(self, key: str, loads: routing.Loads) -> str:
         raise NotImplementedError
 
+    def decide_why(self, key: str | None, loads: routing.Loads, rng: random.Random) -> tuple[str, str]:
+        """(replica, outcome): `least_load` without a key; else `new` (a key not seen), `hit` (its owner) or
+        `spill` (a replica other than its owner, which is overloaded or gone)."""
+        if key is None:
+            return routing.power_of_two(loads, rng), "least_load"
+        owner = self.table.peek(key)
+        chosen = self.decide(key, loads)
+        return chosen, "new" if owner is None else "hit" if chosen == owner else "spill"
+
 
 class _LeastLoad(_Policy):
     """Power of two choices (every request has no key)."""
@@ -53,6 +66,8 @@ class _LeastLoad(_Policy):
 
 class _PrefixAffinity(_Policy):
     """Requests whose prompts share a leading block go to the replica that holds that prefix in its KV cache."""
+
+    name = "prefix_affinity"
 
     def __init__(self, prefix_chars: int = routing.DEFAULT_PREFIX_CHARS, imbalance: int = routing.DEFAULT_IMBALANCE,
                  max_tracked: int = routing.DEFAULT_MAX_TRACKED):
@@ -71,6 +86,7 @@ class _SessionAffinity(_Policy):
 
     # A session waits for its replica rather than breaking; Serve's backpressure bounds the wait.
     strict = True
+    name = "session_affinity"
 
     def key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
         session_id = pending_request.metadata.session_id
@@ -116,7 +132,11 @@ class _SummitRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = await self._loads(candidate_replicas)
         key = None if request is None else policy.key(request, pending_request)
-        chosen = routing.power_of_two(loads, self._rng) if key is None else policy.decide(key, loads)
+        started = time.time()
+        chosen, outcome = policy.decide_why(key, loads, self._rng)
+        metrics.routing_decision(model, policy.name, outcome)
+        if request is not None:  # the replica's trace tells it (deployments/tracing.py)
+            request.set_header(DECISION_HEADER, decision_value(policy.name, outcome, chosen, started, time.time()).encode())
         if key is not None and policy.strict:
             return [[by_id[chosen]]]
         return [[by_id[chosen]], [r for rid, r in by_id.items() if rid != chosen]]
@@ -190,6 +210,8 @@ class _OnePolicyRouter(_SummitRouter):
 
 class PrefixAffinityRouter(_OnePolicyRouter):
     """Requests whose prompts share a leading block go to the replica that holds that prefix in its KV cache."""
+
+    name = "prefix_affinity"
 
     policy = _PrefixAffinity
 

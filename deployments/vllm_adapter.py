@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from argparse import Namespace
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
+
+logger = logging.getLogger("ray.serve")
 
 # Keys Summit sets itself; a YAML that puts them in engine_kwargs is pointed at the right key.
 RESERVED_ENGINE_KEYS = {
@@ -211,7 +214,37 @@ class EngineApp:
     app: Any
 
 
-async def start_engine_app(args: Namespace) -> EngineApp:
+def engine_metric_samples():
+    """This process's vLLM metrics as vLLM records them (its prometheus_client registry), flattened for Ray's metrics
+    system: ("counter" | "gauge", name with `:` made `_`, labels, value); a histogram becomes cumulative gauges
+    `<name>_bucket` (label `le`), `<name>_count` and `<name>_sum`, the series Prometheus's own histograms have."""
+    from vllm.v1.metrics.reader import Counter, Gauge, Histogram, get_metrics_snapshot
+
+    for metric in get_metrics_snapshot():
+        name = metric.name.replace(":", "_")
+        if isinstance(metric, Counter):
+            yield "counter", name, metric.labels, metric.value
+        elif isinstance(metric, Gauge):
+            yield "gauge", name, metric.labels, metric.value
+        elif isinstance(metric, Histogram):
+            for le, count in metric.buckets.items():
+                yield "gauge", name + "_bucket", {**metric.labels, "le": le}, count
+            yield "gauge", name + "_count", metric.labels, metric.count
+            yield "gauge", name + "_sum", metric.labels, metric.sum
+
+
+def kv_cache_usage() -> float | None:
+    """The share of this process's engine's KV-cache blocks held by requests as of its last step (vLLM's
+    `vllm:kv_cache_usage_perc`; blocks kept only for prefix caching count as free); None with metrics off."""
+    from vllm.v1.metrics.reader import Gauge, get_metrics_snapshot
+
+    values = [m.value for m in get_metrics_snapshot() if isinstance(m, Gauge) and m.name == "vllm:kv_cache_usage_perc"]
+    return max(values) if values else None
+
+
+async def start_engine_app(args: Namespace, metrics: bool = True) -> EngineApp:
+    """vLLM's AsyncLLM and its OpenAI app; `metrics`: vLLM records its stats in this process (its default
+    prometheus_client logger, which `engine_metric_samples` reads); False: none at all, as with `disable_log_stats`."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -225,7 +258,7 @@ async def start_engine_app(args: Namespace) -> EngineApp:
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
         enable_log_requests=engine_args.enable_log_requests,
-        disable_log_stats=engine_args.disable_log_stats,
+        disable_log_stats=engine_args.disable_log_stats or not metrics,
     )
     try:
         supported_tasks = await engine.get_supported_tasks()
@@ -343,61 +376,6 @@ def engine_is_dead(engine) -> bool:
 def num_unfinished_requests(engine) -> int:
     """Requests the engine still holds (running or waiting), as vLLM's output processor counts them."""
     return engine.output_processor.get_num_unfinished_requests()
-
-
-# vLLM's Prometheus counters (v1 PrometheusStatLogger, installed by AsyncLLM unless `disable_log_stats`), registered
-# in the process that holds the AsyncLLM: prompt tokens looked up in / found in the prefix cache, tokens generated.
-_PREFIX_CACHE_COUNTERS = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
-_GENERATION_COUNTERS = {"vllm:generation_tokens": "generation_tokens"}
-
-
-def _counters(names: dict[str, str]) -> dict[str, int]:
-    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
-
-    totals = dict.fromkeys(names.values(), 0)
-    for metric in get_metrics_snapshot():
-        if isinstance(metric, Counter) and metric.name in names:
-            totals[names[metric.name]] += metric.value
-    return totals
-
-
-def prefix_cache_counters() -> dict[str, int]:
-    """{"queries", "hits"}: prompt tokens this process's engine looked up in / found in its prefix cache since it
-    started (vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`), summed over engines and labels."""
-    return _counters(_PREFIX_CACHE_COUNTERS)
-
-
-def kv_transfer_counters() -> dict[str, int]:
-    """What this process's engine took from its KV connector, in prompt tokens since it started: looked up there and
-    found there (`vllm:external_prefix_cache_queries` / `_hits`), and its prompts' tokens by source
-    (`vllm:prompt_tokens_by_source`: computed here, local prefix-cache hits, loaded through the connector)."""
-    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
-
-    names = {"vllm:external_prefix_cache_queries": "external_queries", "vllm:external_prefix_cache_hits": "external_hits"}
-    out = {"external_queries": 0, "external_hits": 0, "prompt_local_compute": 0, "prompt_local_cache_hit": 0,
-           "prompt_external_kv_transfer": 0}
-    for metric in get_metrics_snapshot():
-        if not isinstance(metric, Counter):
-            continue
-        if metric.name in names:
-            out[names[metric.name]] += metric.value
-        elif metric.name == "vllm:prompt_tokens_by_source" and f"prompt_{metric.labels.get('source')}" in out:
-            out[f"prompt_{metric.labels['source']}"] += metric.value
-    return out
-
-
-def kv_cache_usage() -> float:
-    """The share of this process's engine's KV-cache blocks in use by requests (vLLM's `vllm:kv_cache_usage_perc`,
-    0..1, as of its last step; blocks kept only for prefix caching count as free)."""
-    from vllm.v1.metrics.reader import Gauge, get_metrics_snapshot
-
-    return max((m.value for m in get_metrics_snapshot() if isinstance(m, Gauge) and m.name == "vllm:kv_cache_usage_perc"),
-               default=0.0)
-
-
-def generated_tokens() -> int:
-    """Tokens this process's engine has generated since it started (vLLM's `vllm:generation_tokens`)."""
-    return _counters(_GENERATION_COUNTERS)["generation_tokens"]
 
 
 def shutdown_engine(engine) -> None:

@@ -12,6 +12,7 @@
 #                                          # ~2k-token prompts, 256 out
 #   bash scripts/gpu_host.sh batch PEER... # one GPU, 8B shapes: bench/batch.py, PEER = api | offline | generate
 #                                          # (2,000 lines, 64 out, 256 in flight)
+#   bash scripts/gpu_host.sh moncost N     # one GPU, 8B shapes: round N of Summit's monitoring off vs on
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -87,5 +88,12 @@ batch)
     --batch-concurrency 256 --offline-concurrency 256 --max-tokens 64 --only "$@" \
     --json "$out/gpu-batch-$(IFS=-; echo "$*").json" 2>&1 | tee "$out/gpu-batch-$(IFS=-; echo "$*").log"
   grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
+moncost)
+  # one round of monitoring off vs on (bench/serve_overhead.py --monitoring-cost) at 256 streams; a call per round
+  round=${2:-1}
+  python3 bench/serve_overhead.py --model-dir "$model8b" --accelerator gpu --load-format dummy \
+    --concurrency 256 --requests-per-stream 4 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
+    --max-model-len 4096 --client-procs 8 --monitoring-cost --json "$out/gpu-moncost-$round.json" 2>&1 \
+    | tee "$out/gpu-moncost-$round.log" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

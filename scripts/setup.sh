@@ -10,6 +10,17 @@ EXTRAS=${SUMMIT_EXTRAS:-cpu,test}
 STAMP="$VENV/.summit-setup"
 want="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS"
 
+# The monitoring tests run Debian's Prometheus and Chromium (headless): installed with apt where we are root.
+if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    t_apt=$(date +%s)
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium >/dev/null
+    echo "setup: prometheus and chromium installed in $(( $(date +%s) - t_apt )) s"
+  else
+    echo "setup: prometheus/chromium missing; as root: apt-get install prometheus chromium (tests/cpu/test_monitoring.py)"
+  fi
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   echo "setup: $VENV is up to date"; exit 0

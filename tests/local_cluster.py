@@ -102,6 +102,7 @@ class LocalCluster:
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)  # the head node's Prometheus endpoint (Ray's metrics agent)
     proc: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
 
@@ -126,7 +127,7 @@ class LocalCluster:
         ports = {
             "--port": self.gcs_port, "--dashboard-port": self.dashboard_port,
             "--node-manager-port": free_port(), "--object-manager-port": free_port(),
-            "--ray-client-server-port": free_port(), "--metrics-export-port": free_port(),
+            "--ray-client-server-port": free_port(), "--metrics-export-port": self.metrics_port,
             "--dashboard-agent-listen-port": free_port(), "--runtime-env-agent-port": free_port(),
         }
         cmd = ["ray", "start", "--head", "--block", "--node-ip-address", self.node_ip, "--dashboard-host", self.node_ip,
@@ -176,15 +177,18 @@ class LocalCluster:
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         # vLLM's IPC sockets go to the cluster's temp dir (removed by stop()), not /tmp where killed engines leave them.
         # The Batch API's database and files too (serve_configs/tiny-cpu.yaml reads SUMMIT_BATCH_DIR).
+        # Metrics reach each node's endpoint within 2 s (Ray's default: 10 s), so tests that read them wait less.
         env = loopback_env({"VLLM_RPC_BASE_PATH": str(self.temp_dir), "SUMMIT_BATCH_DIR": str(self.temp_dir / "batch"),
-                            **self.env, **(extra or {})})
+                            "RAY_metrics_report_interval_ms": "2000", **self.env, **(extra or {})})
         if self.node_ip != LOOPBACK:
             # Ray refuses to add nodes when this is 0 (which keeps a one-node cluster on 127.0.0.1).
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
         return env
 
-    def serve_deploy(self, config: dict, timeout_s: float = 600, ready_path: str = "/v1/models") -> None:
-        """`serve deploy` a Serve config dict (its http_options are pointed at this cluster's port)."""
+    def serve_deploy(self, config: dict, timeout_s: float = 600, ready_path: str = "/v1/models",
+                     while_waiting=None) -> None:
+        """`serve deploy` a Serve config dict (its http_options are pointed at this cluster's port);
+        `while_waiting()` is called about once a second until the app is ready."""
         config = dict(config)
         config["http_options"] = {**config.get("http_options", {}), "host": self.node_ip, "port": self.http_port}
         path = self.temp_dir / "serve-config.yaml"
@@ -201,7 +205,12 @@ class LocalCluster:
             raise RuntimeError(f"serve deploy failed: {deploy.stderr[-2000:] or deploy.stdout[-2000:]}")
         # A redeploy keeps answering from the old replicas: wait until Serve has taken this deploy and reports
         # every app RUNNING (or one DEPLOY_FAILED, raised), and the HTTP path answers.
-        self._wait(lambda: self._apps_running(before) and _http_ok(self.base_url + ready_path), timeout_s, "Serve application")
+        def ready() -> bool:
+            if while_waiting is not None:
+                while_waiting()
+            return self._apps_running(before) and _http_ok(self.base_url + ready_path)
+
+        self._wait(ready, timeout_s, "Serve application")
 
     def serve_applications(self) -> dict:
         """Serve's view of the applications ({} while the dashboard cannot say)."""

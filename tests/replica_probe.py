@@ -26,14 +26,15 @@ from tests.local_cluster import loopback_env
 REPO = Path(__file__).resolve().parents[1]
 
 
-def call_each_replica(app_name: str, deployment: str, method: str, replicas: int, attempts: int = 200) -> dict[str, Any]:
+def call_each_replica(app_name: str, deployment: str, method: str, replicas: int, attempts: int = 200,
+                      args: tuple = ()) -> dict[str, Any]:
     """{replica_id: result} once `replicas` distinct replicas answered `method` (RuntimeError after `attempts` calls)."""
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, app_name=app_name)
     answers: dict[str, Any] = {}
     for _ in range(attempts):
-        result = getattr(handle, method).remote().result(timeout_s=60)
+        result = getattr(handle, method).remote(*args).result(timeout_s=60)
         answers[result["replica_id"]] = result
         if len(answers) >= replicas:
             return answers
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     each.add_argument("deployment")
     each.add_argument("method")
     each.add_argument("--replicas", type=int, required=True)
+    each.add_argument("args", nargs="*", help="the method's arguments (strings)")
     kill = sub.add_parser("kill", help="kill one replica actor")
     kill.add_argument("app")
     kill.add_argument("deployment")
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     ray.init(address=ns.address, logging_level="ERROR", log_to_driver=False)
     try:
         if ns.command == "each":
-            answer: Any = call_each_replica(ns.app, ns.deployment, ns.method, ns.replicas)
+            answer: Any = call_each_replica(ns.app, ns.deployment, ns.method, ns.replicas, args=tuple(ns.args))
         else:
             answer = kill_replica(ns.app, ns.deployment, ns.replica_id)
     finally:

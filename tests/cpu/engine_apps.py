@@ -28,9 +28,11 @@ def tiny_model(name: str, engine_kwargs: dict | None = None, deployment: dict | 
 
 @contextmanager
 def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env: dict[str, str] | None = None,
-             haproxy: bool = False, batch: bool = False):
+             haproxy: bool = False, batch: bool = False, args: dict | None = None, while_waiting=None):
     """A private loopback cluster with one app serving `models` (shipped YAML otherwise); stopped by PID after.
-    `haproxy`: Serve's HAProxy in front, which puts the app on the direct path; `batch`: keep the YAML's Batch API."""
+    `haproxy`: Serve's HAProxy in front, which puts the app on the direct path; `batch`: keep the YAML's Batch API;
+    `args`: more of the app's args (e.g. `monitoring`); `while_waiting(cluster)`: called about once a second until
+    the app is ready."""
     cluster = LocalCluster(num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})},
                            haproxy=haproxy)
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
@@ -39,9 +41,10 @@ def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env:
     config["applications"][0]["args"]["models"] = models
     if not batch:
         config["applications"][0]["args"].pop("batch", None)
+    config["applications"][0]["args"].update(args or {})
     try:
         cluster.start()
-        cluster.serve_deploy(config)
+        cluster.serve_deploy(config, while_waiting=while_waiting and (lambda: while_waiting(cluster)))
         yield cluster
     finally:
         cluster.stop()

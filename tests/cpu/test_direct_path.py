@@ -20,6 +20,7 @@ import pytest
 
 from tests.cpu.engine_apps import APP, deployed, deployment_details, tiny_model, wait_for
 from tests.engine_checks import kill_engine_and_wait_for_answers
+from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
 
 MODELS = ["tiny-a", "tiny-b"]
@@ -96,8 +97,8 @@ def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
     def engines(method: str) -> dict:
         return probe(two_models.address, "each", APP, POOL, method, "--replicas", "2")
 
-    def generated() -> int:
-        return sum(c["generation_tokens"] for c in engines("token_counters").values())
+    def generated() -> float:  # vLLM's counter, as Ray's metrics endpoint exports it (settled: up to date)
+        return settled(lambda: total(scrape(two_models), "ray_vllm_generation_tokens_total"))
 
     assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 60)
     before = generated()

@@ -4,7 +4,7 @@ One app, three engines: `tiny-agg` (aggregated) and `tiny-pd` (disaggregated: `L
 the prompt and stores its KV; the decode side, in the app's engine deployment beside tiny-agg, loads it). Both
 models are the same tiny model, so at temperature 0 their answers must match token for token. What the decode
 engine took from the connector is read from its own counters (vLLM's external prefix-cache hits and prompt tokens
-by source), through `LLMServer.kv_transfer_stats`. Prompts are longer than one CPU KV block (128 tokens): shorter
+by source), as Ray's metrics endpoint exports them for its replica. Prompts are longer than one CPU KV block (128 tokens): shorter
 ones transfer nothing.
 """
 
@@ -19,6 +19,7 @@ import pytest
 from tests.cpu import engine_apps
 from tests.cpu.engine_apps import APP, deployed, tiny_model, wait_for
 from tests.engine_checks import engine_core_processes
+from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
 
 AGG, PD = "tiny-agg", "tiny-pd"
@@ -56,10 +57,24 @@ def complete(http: httpx.Client, model: str, prompt: str, **extra) -> httpx.Resp
                                               "temperature": 0, **extra})
 
 
+_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
 def decode_counters(cluster) -> dict:
-    answers = probe(cluster.address, "each", APP, POOL, "kv_transfer_stats", "--replicas", "2")
-    (stats,) = [a for a in answers.values() if a["model"] == PD]
-    return stats
+    """What the decode engine took from its KV connector and generated, from vLLM's own counters as Ray's metrics
+    export them for its replica (settled: every request answered before the call is in)."""
+    answers = probe(cluster.address, "each", APP, POOL, "stats", "--replicas", "2")
+    (replica,) = [rid for rid, a in answers.items() if a["model"] == PD]
+
+    def read() -> dict:
+        s = scrape(cluster)
+        return {"external_queries": total(s, "ray_vllm_external_prefix_cache_queries_total", ReplicaId=replica),
+                "external_hits": total(s, "ray_vllm_external_prefix_cache_hits_total", ReplicaId=replica),
+                "generation_tokens": total(s, "ray_vllm_generation_tokens_total", ReplicaId=replica),
+                **{f"prompt_{source}": total(s, "ray_vllm_prompt_tokens_by_source_total", ReplicaId=replica,
+                                             source=source) for source in _SOURCES}}
+
+    return settled(read)
 
 
 def test_the_model_runs_on_a_prefill_pool_and_a_decode_pool(pd_app):
@@ -75,7 +90,7 @@ def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_d
     assert n > 2 * KV_BLOCK
     before = decode_counters(pd_app)
     agg, pd = complete(http, AGG, prompt), complete(http, PD, prompt)
-    assert agg.status_code == 200 and pd.status_code == 200, pd.text
+    assert agg.status_code == 200 and pd.status_code == 200, (agg.status_code, agg.text[:300], pd.status_code, pd.text[:300])
     assert pd.json()["choices"][0]["text"] == agg.json()["choices"][0]["text"]
     assert pd.json()["usage"]["prompt_tokens"] == n and pd.json()["usage"]["completion_tokens"] == 16
     after = decode_counters(pd_app)
@@ -174,11 +189,7 @@ def test_a_client_leaving_during_its_prefill_cancels_it_there(pd_app, http):
         return any(f"{request_id} -- CALL handle_http CANCELLED" in f.read_text(errors="replace")
                    for f in logs.glob("replica_*prefill*.log"))
 
-    def decode_tokens() -> int:
-        answers = probe(pd_app.address, "each", APP, POOL, "token_counters", "--replicas", "2")
-        return next(a["generation_tokens"] for a in answers.values() if a["model"] == PD)
-
-    before = decode_tokens()
+    before = decode_counters(pd_app)["generation_tokens"]
     cores = engine_core_processes(prefill_stats(pd_app)["pid"])
     assert cores
     for proc in cores:
@@ -194,7 +205,7 @@ def test_a_client_leaving_during_its_prefill_cancels_it_there(pd_app, http):
             proc.resume()
     assert wait_for(lambda: (s := prefill_stats(pd_app))["num_unfinished_requests"] == 0 and s["kv_cache_usage"] == 0,
                     60, interval_s=2), prefill_stats(pd_app)
-    assert decode_tokens() == before  # the request never reached the decode engine
+    assert decode_counters(pd_app)["generation_tokens"] == before  # the request never reached the decode engine
     assert complete(http, PD, document(71)).status_code == 200  # and the model serves on
 
 

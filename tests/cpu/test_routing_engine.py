@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
 from app.tiny_model import make_tiny_model
 from tests.cpu.engine_apps import APP, deployed, document, running_replicas, tiny_model, wait_for
@@ -66,7 +67,16 @@ def of_model(model: str, method: str, cluster) -> dict[str, dict]:
 
 
 def cache_counters(cluster) -> dict[str, dict]:
-    return of_model(PREFIX, "prefix_cache_stats", cluster)
+    """{replica: prompt tokens looked up in / found in vLLM's prefix cache} for the prefix model's replicas, from
+    vLLM's counters as Ray's metrics endpoint exports them (settled: every request answered before is in)."""
+    replicas = list(of_model(PREFIX, "stats", cluster))
+
+    def read() -> dict[str, dict]:
+        s = scrape(cluster)
+        return {r: {"queries": total(s, "ray_vllm_prefix_cache_queries_total", ReplicaId=r),
+                    "hits": total(s, "ray_vllm_prefix_cache_hits_total", ReplicaId=r)} for r in replicas}
+
+    return settled(read)
 
 
 def test_the_models_share_one_direct_engine_deployment(summit2):

@@ -10,7 +10,8 @@ import json
 import httpx
 import pytest
 
-from deployments.front import Admission, ReplicaFront
+from deployments.flow import Admission
+from deployments.front import ReplicaFront
 
 
 class EchoEngineApp:
