@@ -232,8 +232,12 @@ def test_prometheus_answers_every_dashboard_query_after_a_known_load(mon_app, cl
             "model": MODEL, "prompt": f"{HEAD} burst {i}", "max_tokens": 500, "ignore_eos": True})
         return r.status_code, (r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0)
 
-    with ThreadPoolExecutor(24) as pool:
-        answers = list(pool.map(one, range(24)))
+    answers: list[tuple[int, int]] = []
+    for burst in range(3):  # arrivals can spread out on a busy box: again until the bound was hit
+        with ThreadPoolExecutor(24) as pool:
+            answers += pool.map(one, range(24 * burst, 24 * (burst + 1)))
+        if any(status == 429 for status, _ in answers):
+            break
     ok = [n for status, n in answers if status == 200]
     assert {status for status, _ in answers} == {200, 429} and len(ok) >= 8, answers
     _run_batch(client)  # three lines of 8 tokens
