@@ -88,17 +88,18 @@ class LLMServer:
     def _forward(self, request: HTTPRequest):
         """A Serve response stream for another model's request, from one of that model's replicas (same deployment:
         its router keeps to `request.model`)."""
+        return self._pool_handle().options(stream=True).handle_http.remote(request)
+
+    def _pool_handle(self) -> DeploymentHandle:
+        """A handle to this replica's own deployment (its router keeps each request to its model's replicas)."""
         if self._own_handle is None:
             context = serve.get_replica_context()
             self._own_handle = serve.get_deployment_handle(context.deployment, context.app_name)
-        return self._own_handle.options(stream=True).handle_http.remote(request)
+        return self._own_handle
 
     async def _model_ready(self, name: str) -> bool:
         """Whether another model of this deployment has a running replica (it is listed in /v1/models only then)."""
-        if self._own_handle is None:
-            context = serve.get_replica_context()
-            self._own_handle = serve.get_deployment_handle(context.deployment, context.app_name)
-        return await can_route(self._own_handle, HTTPRequest("POST", "", model=name))
+        return await can_route(self._pool_handle(), HTTPRequest("POST", "", model=name))
 
     async def __serve_build_asgi_app__(self):
         """The direct path's HTTP app (Serve calls this after __init__ when the deployment is the ingress). A bounded
