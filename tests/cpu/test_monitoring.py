@@ -42,15 +42,18 @@ class Readiness:
         self.listed_at: float | None = None
         self.first_completion: int | None = None
         self.polls = 0
+        self.last = ""  # the last poll's outcome, for the failure message
 
     def __call__(self, cluster) -> None:
         if self.first_completion is not None:
             return
         try:
             models = httpx.get(cluster.base_url + "/v1/models", timeout=5)
-        except httpx.HTTPError:
+        except httpx.HTTPError as e:
+            self.last = repr(e)
             return
         self.polls += 1
+        self.last = f"{models.status_code} {models.text[:300]}"
         if models.status_code == 200 and any(m["id"] == MODEL for m in models.json()["data"]):
             self.listed_at = time.time()
             r = httpx.post(cluster.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
@@ -77,8 +80,9 @@ def client(mon_app):
 
 
 def test_a_model_is_listed_only_once_its_engine_answers(mon_app):
-    READINESS(mon_app)  # the app may have become ready between two polls
-    assert READINESS.listed_at is not None, f"never listed in {READINESS.polls} polls"
+    # the app may have become ready between two polls (and a poll on a busy box may time out): keep polling a while
+    assert wait_for(lambda: READINESS(mon_app) or READINESS.listed_at is not None, 60, 1), \
+        f"never listed in {READINESS.polls} polls; last: {READINESS.last}"
     assert READINESS.first_completion == 200
     samples: list = []
 
