@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from http import HTTPStatus
 
@@ -45,3 +46,28 @@ def openai_error_bytes(status: int, body: bytes) -> bytes:
 def sse_error_event(status: int, message: str) -> bytes:
     """An error inside an already-started SSE stream, as vLLM sends it, followed by the stream's end."""
     return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n".encode()
+
+
+def request_problem(app, path: str, body: bytes) -> str | None:
+    """Why the body type of `app`'s POST route `path` (vLLM's own request model) refuses `body`; None when it takes
+    it. The front asks after vLLM's app answered a 5xx: a validator of vLLM's that crashes on an odd value instead of
+    refusing it (`structured_outputs: 1.5`) makes vLLM answer 500 for what is the client's error."""
+    adapter = _body_adapter(app, path)
+    if adapter is None:
+        return None
+    try:
+        adapter.validate_json(body)
+    except Exception as e:  # noqa: BLE001 — a ValidationError, or whatever a crashing validator raised
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"the request body is not a valid {path} request: {first}"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _body_adapter(app, path: str):
+    from pydantic import TypeAdapter
+
+    for route in getattr(app, "routes", []):
+        if getattr(route, "path", None) == path and "POST" in getattr(route, "methods", ()) and route.body_field:
+            return TypeAdapter(route.body_field.field_info.annotation)
+    return None

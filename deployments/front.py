@@ -23,12 +23,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from deployments.auth import authorized, unauthorized
-from deployments.errors import error_body, error_response, openai_error_bytes
+from deployments.errors import error_body, error_response, openai_error_bytes, request_problem
 from deployments.flow import Admission, Coalescer
 from deployments.handoff import BATCH_PREFIXES, OWNER_HEADER, owner_of, relay
 from deployments.metrics import ReplicaMetrics
 from deployments.model_names import BadModel, model_for
 from deployments.observe import ARRIVAL_HEADER, RequestWatch
+from deployments.openapi import build as build_openapi
 from deployments.pd import PD_ROUTES, ClientGone, Disaggregated, PrefillFailed, decode_body
 from deployments.protocol import HTTPRequest
 from deployments.tracing import Tracing
@@ -42,6 +43,9 @@ REPLICA_HEADER = b"x-summit-replica"
 FORWARDED_HEADER = b"x-summit-forwarded"
 RETRY_AFTER_S = "1"
 # The OpenAI routes Summit serves; vLLM's app has more (metrics, admin) that stay unreachable from outside.
+# The largest body an OpenAI route takes (a 128k-token prompt as token ids is ~1 MiB; images inline in a chat are
+# the big ones): a larger one is answered 413 before it is read.
+MAX_REQUEST_BYTES = 32 << 20
 POST_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 # The API key stops here; hop headers are the server's business.
 _DROP_REQUEST_HEADERS = frozenset({b"authorization", b"x-request-id", b"content-length", b"transfer-encoding",
@@ -65,6 +69,7 @@ class ReplicaFront:
         self.model = model
         self._models = list(models)
         self._keys = keys
+        self._openapi: dict | None = None
         self._engine_dead = engine_dead
         self._replica_id = replica_id.encode()
         # /v1/models entries of the application's other models (this replica's own comes from vLLM)
@@ -90,6 +95,12 @@ class ReplicaFront:
             status = 503 if self._engine_dead() else 200
             await _send_plain(send, status)
             return
+        if path == "/openapi.json" and method == "GET":  # what a client may send (public, as vLLM's own)
+            if self._openapi is None:
+                self._openapi = build_openapi(self._app.openapi(), POST_ROUTES, self._batch_api is not None,
+                                              self._keys is not None)
+            await _send_json(send, 200, self._openapi)
+            return
         headers = scope.get("headers") or []
         authorization = _header(headers, b"authorization")
         # a request through a Serve handle (from another replica, the batch runner) was let in where it entered
@@ -108,7 +119,10 @@ class ReplicaFront:
             await error_response(status, f"{method} {path} is not served; OpenAI routes: GET /v1/models, /v1/files, /v1/batches, "
                                  f"POST {', '.join(sorted(POST_ROUTES))}")(scope, receive, send)
             return
-        body = await _read_body(receive)
+        body = await _read_body(receive, MAX_REQUEST_BYTES)
+        if body is None:
+            await error_response(413, f"the request body is larger than {MAX_REQUEST_BYTES >> 20} MiB")(scope, receive, send)
+            return
         try:
             name = model_for(body, self._models)
         except BadModel as e:
@@ -236,6 +250,8 @@ class ReplicaFront:
                     return
                 if message["status"] >= 400 and not is_sse:
                     error = {"start": message, "body": []}
+                    if message["status"] >= 500 and (problem := request_problem(self._app, scope["path"], body)):
+                        error = {"start": {**message, "status": 400}, "body": [], "message": problem}
                     return
                 if is_sse and self._coalesce_s > 0:
                     stream = Coalescer(send, self._coalesce_s)
@@ -248,10 +264,10 @@ class ReplicaFront:
                 error["body"].append(message.get("body", b""))
                 if message.get("more_body", False):
                     return
-                body = b"".join(error["body"])
+                answer = b"".join(error["body"])
                 if "message" in error:
-                    body = json.dumps(error_body(503, error["message"])).encode()
-                await _send_error(send, error["start"], body)
+                    answer = json.dumps(error_body(error["start"]["status"], error["message"])).encode()
+                await _send_error(send, error["start"], answer)
                 return
             elif message["type"] == "http.response.body" and stream is not None:
                 await stream.body(message.get("body", b""), message.get("more_body", False))
@@ -263,6 +279,13 @@ class ReplicaFront:
         except asyncio.CancelledError:  # the two-hop path cancels the app when its caller goes
             log_cancel()
             raise
+        except Exception as e:
+            if not answered:
+                raise
+            # Starlette re-raises what its error handler answered (a 500): the client has its answer; one line
+            # here, not a traceback per bad request
+            logger.warning("request %s: vLLM's app raised %s after answering: %s", client_id.decode(),
+                           type(e).__name__, str(e)[:200])
         finally:
             if stream is not None:
                 stream.close()
@@ -317,13 +340,17 @@ def _header(headers, name: bytes) -> bytes | None:
     return next((v for k, v in headers if k.lower() == name), None)
 
 
-async def _read_body(receive) -> bytes:
-    chunks = []
+async def _read_body(receive, limit: int | None = None) -> bytes | None:
+    """The whole request body; None once it grows past `limit` bytes (the rest is left unread)."""
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
             break
         chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if limit is not None and size > limit:
+            return None
         if not message.get("more_body", False):
             break
     return b"".join(chunks)

@@ -39,7 +39,7 @@ def _response_headers(start: ResponseStart) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in start.headers if k.lower() not in _DROP_RESPONSE_HEADERS}
 
 
-api = FastAPI(title="Summit", docs_url=None, redoc_url=None)
+api = FastAPI(title="Summit", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -69,6 +69,17 @@ class OpenAIIngress:
     @api.get("/health")
     async def health(self) -> Response:
         return Response(status_code=200)
+
+    @api.get("/openapi.json")
+    async def openapi(self) -> Response:
+        """Summit's OpenAPI document, as a replica's front builds it (deployments/openapi.py)."""
+        for name in self._servers:
+            try:
+                start, body = await self._call(name, HTTPRequest("GET", "/openapi.json"))
+            except ModelUnavailable:
+                continue
+            return Response(body, status_code=start.status, media_type="application/json")
+        return error_response(503, "no model has a running replica yet; retry", headers={"retry-after": "5"})
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -24,6 +24,8 @@ def model_for(body: bytes, known: Sequence[str]) -> str:
         payload = json.loads(body)
     except ValueError as e:
         raise BadModel(f"request body is not valid JSON: {e}", 400, param=None) from None
+    except RecursionError:
+        raise BadModel("request body is nested too deeply", 400, param=None) from None
     if not isinstance(payload, dict):
         raise BadModel("request body must be a JSON object", 400, param=None)
     name = payload.get("model")

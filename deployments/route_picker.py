@@ -42,7 +42,7 @@ def body_model(body: bytes) -> str | None:
     """The `model` a JSON body names, if any (the body may be cut at HAProxy's buffer size: then None)."""
     try:
         payload = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # cut, or nested too deeply: the replica's front answers it
         return None
     name = payload.get("model") if isinstance(payload, dict) else None
     return name if isinstance(name, str) else None

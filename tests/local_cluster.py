@@ -79,7 +79,7 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-        # stats and metrics on loopback (app/haproxy_loopback.py), as scripts/serve.sh runs it
+        # stats and metrics on loopback (app/haproxy.py), as scripts/serve.sh runs it
         "RAY_SERVE_HAPROXY_BINARY_PATH": shutil.which("summit-haproxy") or "",
         # replicas' own HTTP and gRPC ports: a window per cluster (Serve's default 30000+ / 40000+ is one per machine,
         # and two test clusters side by side would both take 30000)

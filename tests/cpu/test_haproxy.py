@@ -4,7 +4,7 @@ On the direct path (Serve's HAProxy, RAY_SERVE_ENABLE_HA_PROXY=1) HAProxy forwar
 replica's own HTTP port; the session app (tests/cpu/conftest.py) runs the OpenAI, error and abort tests there.
 This module checks what every entry must refuse: no key or a wrong one on every OpenAI route, at HAProxy and at
 each replica's own port; and that nothing listens beyond loopback (HAProxy's stats and metrics ports included,
-app/haproxy_loopback.py). The shipped tiny-cpu.yaml (API keys switched on) runs on a private cluster of its own.
+app/haproxy.py). The shipped tiny-cpu.yaml (API keys switched on) runs on a private cluster of its own.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import json
 
 import httpx
 import pytest
+from pydantic import BaseModel, model_validator
 
 from deployments.flow import Admission
 from deployments.front import ReplicaFront
@@ -274,3 +275,62 @@ def test_a_client_that_leaves_while_queued_frees_its_place():
     full, first, queued_again = asyncio.run(scenario())
     assert full.status_code == 503 and full.json()["error"]["type"] == "ServiceUnavailableError"
     assert first.status_code == 200 and queued_again.status_code == 200
+
+
+class _Completion(BaseModel):
+    model: str
+    prompt: str
+    structured_outputs: object = None
+    fail: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def check(cls, data):
+        if isinstance(data, dict) and data.get("structured_outputs") is not None:
+            data["structured_outputs"].get("json")  # AttributeError on a float
+        return data
+
+
+def _validating_engine_app():
+    """A fake engine app made like vLLM's (FastAPI, a pydantic request model per route) whose validator crashes on an
+    odd value instead of refusing it, as vLLM 0.32's does on `structured_outputs: 1.5`; {"fail": true} is an engine
+    error (500) on a valid body."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc):
+        return JSONResponse({"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}, 500)
+
+    @app.post("/v1/completions")
+    async def completions(request: _Completion):
+        if request.fail:
+            return JSONResponse({"error": {"message": "engine broke", "type": "InternalServerError", "code": 500}}, 500)
+        return {"ok": request.prompt}
+
+    return app
+
+
+def test_a_body_that_crashes_vllms_validator_is_400_not_500():
+    engine = _validating_engine_app()
+    app = ReplicaFront(engine, "a", ["a"], None, lambda: False, "replica-1", {})
+    bad = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x", "structured_outputs": 1.5}))
+    assert bad.status_code == 400 and "not a valid /v1/completions request" in bad.json()["error"]["message"], bad.text
+    broken = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x", "fail": True}))
+    assert broken.status_code == 500 and broken.json()["error"]["message"] == "engine broke"  # a valid body: honest
+    assert asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x"})).json() == {"ok": "x"}
+
+
+def test_a_body_over_the_limit_is_413_unread_and_openapi_json_is_served():
+    from deployments.front import MAX_REQUEST_BYTES
+
+    engine = _validating_engine_app()
+    app = ReplicaFront(engine, "a", ["a"], None, lambda: False, "replica-1", {})
+    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x" * MAX_REQUEST_BYTES}))
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    doc = asyncio.run(call(app, "GET", "/openapi.json")).json()
+    assert doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/_Completion"}
+    assert "/v1/files" not in doc["paths"] and "/health" in doc["paths"]
