@@ -3,8 +3,8 @@ request schemas for the OpenAI routes, Summit's for /v1/files and /v1/batches), 
 operation, plus hand cases schemas do not reach (content types, non-UTF-8, huge and deeply nested bodies, wrong
 methods, unknown paths, header floods).
 
-    scripts/serve.sh &                                  # or any running Summit
-    python bench/fuzz.py --base-url http://127.0.0.1:8000 --requests 10000 [--api-key KEY] [--json out.json]
+    python bench/fuzz.py --requests 10000 [--json out.json]    # the shipped tiny app on a private loopback cluster
+    python bench/fuzz.py --base-url http://127.0.0.1:8000 --requests 10000 [--api-key KEY]    # a running Summit
 
 Every answer is checked: no status >= 500 unless an honest 503 with Retry-After; every 4xx/5xx body OpenAI-shaped
 ({"error": {"message", "type", "code"}}); nothing in any error that tells an attacker about the host (a traceback, a
@@ -270,15 +270,42 @@ def fuzz(base_url: str, requests: int, seed: int = 0, api_key: str | None = None
     return report, outcomes
 
 
+def private_app():
+    """The shipped tiny app (serve_configs/tiny-cpu.yaml, Batch API on) behind HAProxy on a private loopback cluster."""
+    import contextlib
+    import tempfile
+
+    from app.tiny_model import make_tiny_model
+    from tests.local_cluster import LocalCluster, load_serve_config
+
+    @contextlib.contextmanager
+    def running():
+        model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-fuzz-")) / "tiny-llama", max_len=2048)
+        cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": str(model_dir)}, haproxy=True)
+        config = load_serve_config(Path(__file__).resolve().parents[1] / "serve_configs/tiny-cpu.yaml")
+        config["applications"][0]["args"]["batch"].update(max_file_bytes=1 << 20, max_lines=1000)
+        try:
+            cluster.start()
+            cluster.serve_deploy(config)
+            yield cluster
+        finally:
+            cluster.stop()
+    return running()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", help="a running Summit (default: start the shipped tiny app privately)")
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args()
-    report, outcomes = fuzz(args.base_url, args.requests, args.seed, args.api_key)
+    if args.base_url is None:
+        with private_app() as cluster:
+            report, outcomes = fuzz(cluster.base_url, args.requests, args.seed, args.api_key)
+    else:
+        report, outcomes = fuzz(args.base_url, args.requests, args.seed, args.api_key)
     summary = {**report.as_json(), "hand_cases": outcomes}
     print(json.dumps({k: v for k, v in summary.items() if k != "failure_samples"}, indent=1))
     for failure in report.failures[:20]:

@@ -20,8 +20,8 @@ def tiny_model(name: str, engine_kwargs: dict | None = None, deployment: dict | 
     base = copy.deepcopy(load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")["applications"][0]["args"]["models"][0])
     base["name"] = name
     base["engine_kwargs"].update({"max_num_seqs": 8, "kv_cache_memory_bytes": 64 << 20, **(engine_kwargs or {})})
-    base["deployment"].update(health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=5,
-                              **(deployment or {}))
+    base["deployment"].update({"health_check_period_s": 2, "health_check_timeout_s": 10,
+                               "graceful_shutdown_timeout_s": 5, **(deployment or {})})
     base.update(fields)
     return base
 
@@ -42,6 +42,7 @@ def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env:
     if not batch:
         config["applications"][0]["args"].pop("batch", None)
     config["applications"][0]["args"].update(args or {})
+    cluster.serve_config = config  # for a test's redeploy with a change
     try:
         cluster.start()
         cluster.serve_deploy(config, while_waiting=while_waiting and (lambda: while_waiting(cluster)))

@@ -27,14 +27,17 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
 
-@pytest.fixture(scope="module")
-def summit_scaling(tiny_model_dir):
-    models = [tiny_model(SCALE, {"max_num_seqs": 4}, {
+def scaling_models() -> list[dict]:
+    return [tiny_model(SCALE, {"max_num_seqs": 4}, {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 4,
                                "look_back_period_s": 2},
         "max_ongoing_requests": ONGOING, "max_queued_requests": QUEUED, "overload_status_code": 429,
         "retry_after_s": 2})]
-    with deployed(models, tiny_model_dir, env=FAST_METRICS, haproxy=True) as cluster:
+
+
+@pytest.fixture(scope="module")
+def summit_scaling(tiny_model_dir):
+    with deployed(scaling_models(), tiny_model_dir, env=FAST_METRICS, haproxy=True) as cluster:
         yield cluster
 
 
@@ -121,3 +124,23 @@ def test_overload_is_answered_429_with_retry_after_and_recovers(http):
     for _ in range(3):  # the burst is over: the model serves again, no longer rejecting
         r = http.post("/v1/completions", json={"model": SCALE, "prompt": "Hello again", "max_tokens": 4})
         assert r.status_code == 200, r.text
+
+
+def test_sustained_4x_overload_is_refused_fast_and_recovers(summit_scaling):
+    """4x the capacity (2 replicas x (4 running + 2 queued)) in streams, each client sending again as soon as it is
+    answered, for 15 s (bench/overload.py runs 60): refusals are quick 429s with Retry-After, nothing hangs or is cut,
+    no replica dies, and the model answers within 10 s of the burst's end."""
+    from bench.overload import overload
+    from tests.engine_checks import replica_actors
+
+    figures = overload(summit_scaling.base_url, SCALE, clients=4 * 2 * (ONGOING + QUEUED), duration_s=15)
+    print("\noverload:", figures)
+    assert figures["hung"] == 0 and not figures["bad_refusals"], figures
+    assert set(figures["answers"]) <= {"200", "429"} and figures["answers"].get("429"), figures
+    assert figures["refusal_p99_ms"] < 5000, figures  # a refusal is not queued behind generation
+    assert figures["recovered_s"] is not None and figures["recovered_s"] <= 10, figures
+    logs = (summit_scaling.temp_dir / "session_latest/logs/serve").glob("controller_*.log")
+    died = [line for f in logs for line in f.read_text(errors="replace").splitlines()
+            if "died" in line.lower() or "failed health check" in line.lower()]
+    assert not died, died[-5:]
+    assert replica_actors(summit_scaling, SCALE), "no replica left"  # (it may scale 1 <-> 2 meanwhile)

@@ -1,0 +1,301 @@
+"""Faults under load on a real engine, direct path (HAProxy -> a route picker -> 2 engine replicas): every client
+gets an end or an error within a bound (none hangs), streams on a surviving replica complete, new requests succeed
+once a replica is up, and a redeploy or scale-down drains running streams to their end.
+
+Each case sends streams (`Load`) and sorts what each client saw: completed (every token and [DONE]), refused (an
+OpenAI-shaped error answer), error event (an OpenAI error inside the stream, then its end), cut (the connection
+closed mid-stream: the client's HTTP library raises), hung (no end within the bound), lost (the stream ended
+without an error or all its tokens: what a client cannot tell from success). Figures: `FIGURES`, printed per case.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+import pytest
+
+from tests.cpu.engine_apps import deployed, deployment_details, running_replicas, tiny_model, wait_for
+from tests.engine_checks import engine_core_processes
+
+MODEL = "tiny-fault"
+POOL = f"LLMServer:{MODEL}"
+BOUND_S = 120.0  # a client without an end or an error after this long is hung
+TOKENS = 800  # long enough that streams are mid-way when the fault strikes
+FIGURES: dict[str, dict] = {}
+
+
+@dataclass
+class Outcome:
+    kind: str  # completed | refused | error_event | cut | hung | lost
+    replica: str | None
+    detail: str = ""
+    ended: float = field(default_factory=time.monotonic)
+
+
+def stream(base_url: str, name: str, on_start=lambda replica: None, tokens: int = TOKENS) -> Outcome:
+    """One streamed completion read to its end; `on_start(replica)` once it has its first bytes (or its answer)."""
+    body = {"model": MODEL, "prompt": f"{name}: " + "tell a story " * (len(name) % 7), "max_tokens": tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0, replica, signalled = time.monotonic(), None, False
+    try:
+        with httpx.Client(base_url=base_url, timeout=httpx.Timeout(BOUND_S, connect=10)) as client:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                replica = r.headers.get("x-summit-replica")
+                if r.status_code != 200:
+                    text = r.read().decode(errors="replace")
+                    shaped = "error" in json.loads(text) if text.startswith("{") else False
+                    return Outcome("refused" if shaped else "lost", replica,
+                                   f"{r.status_code} retry-after={r.headers.get('retry-after')} {text[:160]}")
+                usage, error, done = None, None, False
+                for line in r.iter_lines():
+                    if not signalled:
+                        on_start(replica)
+                        signalled = True
+                    if time.monotonic() - t0 > BOUND_S:
+                        return Outcome("hung", replica, "no end within the bound")
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(line[6:])
+                    error = chunk.get("error") or error
+                    usage = chunk.get("usage") or usage
+        if error is not None and done:
+            return Outcome("error_event", replica, str(error)[:200])
+        if done and usage and usage["completion_tokens"] == tokens:
+            return Outcome("completed", replica)
+        return Outcome("lost", replica, f"done={done} usage={usage}")
+    except httpx.TimeoutException:
+        return Outcome("hung", replica, "read timed out")
+    except httpx.HTTPError as e:
+        return Outcome("cut", replica, repr(e)[:200])
+    finally:
+        if not signalled:
+            on_start(None)
+
+
+class Load:
+    """`n` streams in threads (their prompts start with `name`, so that each case spreads anew over the replicas);
+    `wait_started(k)` returns once k of them have their first bytes (or an answer); `busiest()` is the replica that
+    streams the most of those started."""
+
+    def __init__(self, base_url: str, n: int, name: str, tokens: int = TOKENS):
+        self.name = name
+        self._started = threading.Semaphore(0)
+        self._on: Counter = Counter()
+        self._pool = ThreadPoolExecutor(n)
+        self._futures = [self._pool.submit(stream, base_url, f"{name} {i}", self.release, tokens) for i in range(n)]
+
+    def release(self, replica: str | None) -> None:
+        if replica:
+            self._on[replica] += 1
+        self._started.release()
+
+    def wait_started(self, k: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        for _ in range(k):
+            assert self._started.acquire(timeout=max(0.1, deadline - time.monotonic())), "streams did not start"
+
+    def busiest(self) -> str:
+        return self._on.most_common(1)[0][0]
+
+    def outcomes(self) -> list[Outcome]:
+        results = [f.result(timeout=BOUND_S + 60) for f in self._futures]
+        self._pool.shutdown()
+        return results
+
+
+def figures(case: str, outcomes: list[Outcome], **extra) -> dict:
+    counts = Counter(o.kind for o in outcomes)
+    FIGURES[case] = {"sent": len(outcomes), **{k: counts.get(k, 0) for k in
+                     ("completed", "refused", "error_event", "cut", "hung", "lost")}, **extra,
+                     "refusals": sorted({o.detail[:120] for o in outcomes if o.kind == "refused"})[:3]}
+    print(f"\n{case}: {json.dumps(FIGURES[case])}")
+    return FIGURES[case]
+
+
+def answers(base_url: str, timeout_s: float = 180) -> dict:
+    """Seconds until a new completion succeeds (asked once a second), and what the failed asks got meanwhile."""
+    t0, seen = time.monotonic(), Counter()
+
+    def ok() -> bool:
+        try:
+            r = httpx.post(base_url + "/v1/completions", timeout=30, json={"model": MODEL, "prompt": "again", "max_tokens": 2})
+        except httpx.HTTPError as e:
+            seen[type(e).__name__] += 1
+            return False
+        if r.status_code != 200:
+            shaped = r.headers.get("content-type", "").startswith("application/json") and "error" in r.json()
+            seen[f"{r.status_code}{'' if shaped else ' (not OpenAI-shaped)'}"] += 1
+        return r.status_code == 200
+    assert wait_for(ok, timeout_s, 1), f"no completion succeeded within {timeout_s} s: {dict(seen)}"
+    return {"recovered_s": round(time.monotonic() - t0, 1), "meanwhile": dict(seen)}
+
+
+def replica_actor(cluster, replica_id: str) -> dict:
+    return next(a for a in cluster.alive_actors() if a["class_name"].endswith(POOL) and a["name"].endswith(replica_id))
+
+
+def two_running(cluster) -> None:
+    assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 2, 240, 1), deployment_details(cluster, POOL)
+
+
+@pytest.fixture(scope="module")
+def faults(tiny_model_dir):
+    model = tiny_model(MODEL, {"max_num_seqs": 64}, {"num_replicas": 2, "max_ongoing_requests": 64,
+                                                     "graceful_shutdown_timeout_s": 120},
+                       routing={"policy": "prefix_affinity", "prefix_chars": 16})
+    with deployed([model], tiny_model_dir, haproxy=True) as cluster:
+        two_running(cluster)
+        yield cluster
+    print("\nfault figures:", json.dumps(FIGURES, indent=1))
+
+
+def test_engine_killed_under_50_streams(faults):
+    load = Load(faults.base_url, 50, "engine")
+    load.wait_started(40)
+    victim = load.busiest()
+    for proc in engine_core_processes(replica_actor(faults, victim)["pid"]):
+        proc.kill()
+    outcomes = load.outcomes()
+    recovered = answers(faults.base_url)
+    f = figures("engine killed", outcomes, **recovered, on_victim=sum(o.replica == victim for o in outcomes))
+    assert f["hung"] == 0 and f["lost"] == 0, [o for o in outcomes if o.kind in ("hung", "lost")]
+    survivors = [o for o in outcomes if o.replica and o.replica != victim]
+    assert survivors and all(o.kind == "completed" for o in survivors), survivors
+    assert all(o.kind in ("completed", "error_event", "refused") for o in outcomes if o.replica == victim), outcomes
+    two_running(faults)
+
+
+def test_replica_actor_killed_under_streams(faults):
+    load = Load(faults.base_url, 30, "actor")
+    load.wait_started(24)
+    victim = load.busiest()
+    psutil.Process(replica_actor(faults, victim)["pid"]).kill()
+    outcomes = load.outcomes()
+    recovered = answers(faults.base_url)
+    f = figures("replica actor killed", outcomes, **recovered,
+                on_victim=sum(o.replica == victim for o in outcomes))
+    assert f["hung"] == 0 and f["lost"] == 0, [o for o in outcomes if o.kind in ("hung", "lost")]
+    assert f["cut"] + f["error_event"] >= 1, outcomes  # the victim's streams end with an error the client sees
+    assert all(o.kind == "completed" for o in outcomes if o.replica and o.replica != victim), outcomes
+    two_running(faults)
+
+
+def _haproxies(cluster) -> list[psutil.Process]:
+    """This cluster's HAProxy processes (after a reload, the old one serves its open connections beside the new)."""
+    state = str(cluster.temp_dir / "h")
+    return [p for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] == "haproxy" and any(state in part for part in p.info["cmdline"] or [])]
+
+
+def test_haproxy_killed_under_streams(faults):
+    load = Load(faults.base_url, 20, "haproxy")
+    load.wait_started(16)
+    old = _haproxies(faults)
+    assert old, "no HAProxy of this cluster"
+    for proc in old:
+        proc.kill()
+    outcomes = load.outcomes()
+    recovered = answers(faults.base_url, 240)
+    f = figures("HAProxy killed", outcomes, **recovered)
+    assert f["hung"] == 0 and f["lost"] == 0, [o for o in outcomes if o.kind in ("hung", "lost")]
+    assert f["cut"] >= 1, outcomes  # HAProxy held the clients' connections
+    assert not {p.pid for p in _haproxies(faults)} & {p.pid for p in old}  # Serve started a new one
+
+
+def test_route_picker_killed(faults):
+    picker = next(a for a in faults.alive_actors() if a["class_name"].endswith("RoutePicker"))
+    load = Load(faults.base_url, 20, "picker")
+    load.wait_started(10)
+    psutil.Process(picker["pid"]).kill()
+    after = Load(faults.base_url, 20, "after the picker", tokens=8)  # arrive while the picker is gone: answered or refused, never hung
+    outcomes = load.outcomes() + after.outcomes()
+    recovered = answers(faults.base_url)
+    f = figures("route picker killed", outcomes, **recovered)
+    assert f["hung"] == 0 and f["lost"] == 0 and f["cut"] == 0, [o for o in outcomes if o.kind != "completed"]
+    assert wait_for(lambda: any(a["class_name"].endswith("RoutePicker") and a["pid"] != picker["pid"]
+                                for a in faults.alive_actors()), 120, 1)
+
+
+def _redeploy(cluster, change) -> None:
+    config = copy.deepcopy(cluster.serve_config)
+    change(config["applications"][0]["args"]["models"][0])
+    cluster.serve_config = config
+    cluster.serve_deploy(config)
+
+
+class Stopping:
+    """When each replica of the pool was first seen stopping (Serve's state), polled while a case runs."""
+
+    def __init__(self, cluster):
+        self.at: dict[str, float] = {}
+        self._cluster, self._done = cluster, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.wait(0.5):
+            try:
+                replicas = deployment_details(self._cluster, POOL)["replicas"]
+            except Exception:  # noqa: BLE001 — the dashboard is busy: next poll
+                continue
+            for r in replicas:
+                if r["state"] == "STOPPING":
+                    self.at.setdefault(r["replica_id"], time.monotonic())
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _drains(cluster, case: str, change) -> None:
+    """Clients stream one request after another while the app is redeployed with `change`, until every old replica
+    is gone: every stream completes, and some ran on a replica that was already stopping (drained, not cut)."""
+    old = set(running_replicas(cluster, POOL))
+    stopping = Stopping(cluster)
+    done = threading.Event()
+
+    def client(i: int) -> list[Outcome]:
+        mine: list[Outcome] = []
+        while not done.is_set():
+            mine.append(stream(cluster.base_url, f"{case} {i}.{len(mine)}", tokens=300))
+        return mine
+
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(client, i) for i in range(12)]
+        time.sleep(3)
+        _redeploy(cluster, change)
+        gone = wait_for(lambda: not old & {r["replica_id"] for r in deployment_details(cluster, POOL)["replicas"]
+                                           if r["state"] != "STOPPING"} and not old & set(running_replicas(cluster, POOL)),
+                        180, 0.5)
+        wait_for(lambda: not old & {r["replica_id"] for r in deployment_details(cluster, POOL)["replicas"]}, 180, 0.5)
+        done.set()
+        outcomes = [o for f in futures for o in f.result(timeout=BOUND_S + 60)]
+    stopping.stop()
+    drained = [o for o in outcomes if o.replica in stopping.at and o.ended > stopping.at[o.replica]]
+    f = figures(case, outcomes, **answers(cluster.base_url), drained=len(drained), old_stopping=bool(gone))
+    # every stream that started ends complete; one that arrives during the switch may be refused (503 + Retry-After)
+    assert f["completed"] + f["refused"] == f["sent"], [o for o in outcomes if o.kind not in ("completed", "refused")]
+    assert all(o.detail.startswith("503") and "retry-after=None" not in o.detail
+               for o in outcomes if o.kind == "refused"), f["refusals"]
+    assert drained, f"no stream was still running when its replica began stopping: {stopping.at}"
+
+
+def test_redeploy_with_a_changed_config_drains_running_streams(faults):
+    _drains(faults, "redeploy", lambda m: m["engine_kwargs"].update(max_num_seqs=48))  # new replicas; old ones drain
+    two_running(faults)
+
+
+def test_scale_down_drains_running_streams(faults):
+    _drains(faults, "scale down 2 -> 1", lambda m: m["deployment"].update(num_replicas=1))
+    assert wait_for(lambda: len(running_replicas(faults, POOL)) == 1, 120, 1)
