@@ -96,29 +96,3 @@ def test_client_disconnect_aborts_engine_request(client, llm_handle, summit):
     # the dropped request would outlive the control one (fewer tokens) had it not been aborted
     assert watch.reaches(0, 5), story()
 
-
-def test_client_leaving_a_non_streamed_request_aborts_it_in_the_engine(llm_handle, summit):
-    """No stream: the client waits for one answer and gives up (its timeout); the engine must stop the request too."""
-    import httpx
-
-    assert wait_for(lambda: engine_unfinished(llm_handle) == 0, 30)
-    watch = EngineWatch(llm_handle)
-    left_id = f"abort-unary-{time.time_ns()}"
-    body = {"model": MODEL, "prompt": "Left waiting", "max_tokens": DROPPED_TOKENS, "ignore_eos": True}
-
-    def leave() -> None:
-        try:  # the whole answer takes tens of seconds; the client gives up once the engine has the request
-            httpx.post(summit.base_url + "/v1/completions", json=body, headers={"x-request-id": left_id},
-                       timeout=httpx.Timeout(5, connect=10))
-        except httpx.TimeoutException:
-            pass
-
-    thread = threading.Thread(target=leave)
-    thread.start()
-    assert watch.reaches(1, 30), watch.story()
-    thread.join(60)
-    # well before the ~8,000 tokens could end on their own (tens of seconds on this model)
-    assert watch.reaches(0, 15), (f"the abandoned request still runs in the engine; {watch.story()}; "
-                                  f"{serve_log_lines(summit, left_id)}")
-    assert wait_for(lambda: "cancelled by its caller" in serve_log_lines(summit, left_id), 10), \
-        serve_log_lines(summit, left_id)
