@@ -175,7 +175,8 @@ def _runner_state() -> dict:
 
 
 def test_runner_killed_mid_batch_finishes_exactly_once(client, ray_driver):
-    lines = completion_lines(240, max_tokens=16, prefix="kill")
+    # long enough lines that the fault lands mid-batch on a fast run (240 x 16 tokens took 3 s once)
+    lines = completion_lines(240, max_tokens=128, prefix="kill", ignore_eos=True)
     batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
                                   completion_window="24h")
     before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
@@ -193,7 +194,7 @@ def test_application_restarted_mid_batch_finishes_exactly_once(client, summit):
     """`serve shutdown` + `serve deploy` of the same YAML: the new application's runner finds the batch in the store."""
     import yaml
 
-    lines = completion_lines(240, max_tokens=16, prefix="restart")
+    lines = completion_lines(240, max_tokens=128, prefix="restart", ignore_eos=True)
     batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
                                   completion_window="24h")
     before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
