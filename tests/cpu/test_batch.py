@@ -175,13 +175,14 @@ def _runner_state() -> dict:
 
 
 def test_runner_killed_mid_batch_finishes_exactly_once(client, ray_driver):
-    # long enough lines that the fault lands mid-batch on a fast run (240 x 16 tokens took 3 s once)
+    assert _runner_state()["pid"], "the runner should answer"  # the driver's handle made before the clock runs
+    # long enough lines that the kill lands mid-batch (240 x 16 tokens took 3 s on a fast run)
     lines = completion_lines(240, max_tokens=128, prefix="kill", ignore_eos=True)
     batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
                                   completion_window="24h")
     before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
     state = _runner_state()
-    assert state["batch"] == batch.id
+    assert state["batch"] == batch.id, (state, before)
     os.kill(state["pid"], signal.SIGKILL)  # with lines in flight
     assert before.completed + before.failed < 0.8 * len(lines), "the fault came too late to mean anything"
     assert wait_for(lambda: _runner_state()["pid"] not in (None, state["pid"]), 120, 2)
