@@ -42,10 +42,10 @@ INTERNAL_SCOPE_KEY = "summit.internal"
 REPLICA_HEADER = b"x-summit-replica"
 FORWARDED_HEADER = b"x-summit-forwarded"
 RETRY_AFTER_S = "1"
-# The OpenAI routes Summit serves; vLLM's app has more (metrics, admin) that stay unreachable from outside.
 # The largest body an OpenAI route takes (a 128k-token prompt as token ids is ~1 MiB; images inline in a chat are
 # the big ones): a larger one is answered 413 before it is read.
 MAX_REQUEST_BYTES = 32 << 20
+# The OpenAI routes Summit serves; vLLM's app has more (metrics, admin) that stay unreachable from outside.
 POST_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 # The API key stops here; hop headers are the server's business.
 _DROP_REQUEST_HEADERS = frozenset({b"authorization", b"x-request-id", b"content-length", b"transfer-encoding",
