@@ -271,26 +271,17 @@ def fuzz(base_url: str, requests: int, seed: int = 0, api_key: str | None = None
 
 
 def private_app():
-    """The shipped tiny app (serve_configs/tiny-cpu.yaml, Batch API on) behind HAProxy on a private loopback cluster."""
-    import contextlib
+    """The shipped tiny app (serve_configs/tiny-cpu.yaml, Batch API on) behind HAProxy on a private loopback cluster
+    (tests/cpu/engine_apps.deployed, as overload.py starts its app)."""
     import tempfile
 
     from app.tiny_model import make_tiny_model
-    from tests.local_cluster import LocalCluster, load_serve_config
+    from tests.cpu.engine_apps import deployed
+    from tests.local_cluster import load_serve_config
 
-    @contextlib.contextmanager
-    def running():
-        model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-fuzz-")) / "tiny-llama", max_len=2048)
-        cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": str(model_dir)}, haproxy=True)
-        config = load_serve_config(Path(__file__).resolve().parents[1] / "serve_configs/tiny-cpu.yaml")
-        config["applications"][0]["args"]["batch"].update(max_file_bytes=1 << 20, max_lines=1000)
-        try:
-            cluster.start()
-            cluster.serve_deploy(config)
-            yield cluster
-        finally:
-            cluster.stop()
-    return running()
+    model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-fuzz-")) / "tiny-llama", max_len=2048)
+    shipped = load_serve_config(Path(__file__).resolve().parents[1] / "serve_configs/tiny-cpu.yaml")
+    return deployed(shipped["applications"][0]["args"]["models"], model_dir, haproxy=True, batch=True)
 
 
 def main() -> int:
