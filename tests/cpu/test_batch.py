@@ -144,14 +144,16 @@ def test_bad_input_named_by_line_and_field(client):
 
 
 def test_cancel_keeps_finished_lines(client):
-    lines = completion_lines(300, max_tokens=24, prefix="cancel")
+    # long enough that a cancel sent at 5 % lands well before the end on a loaded box (300 lines of 24 tokens once
+    # all finished before the runner saw the cancel)
+    lines = completion_lines(1000, max_tokens=32, prefix="cancel")
     batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
                                   completion_window="24h")
-    wait_progress(client, batch.id, 0.1, len(lines))
+    wait_progress(client, batch.id, 0.05, len(lines))
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     batch = wait_status(client, batch.id, {"cancelled"}, 120)
     out, err = assert_exactly_once(client, batch, lines)
-    assert 0.1 * len(lines) <= len(out) < len(lines)
+    assert 0.05 * len(lines) <= len(out) < len(lines)
     assert all(x["error"]["code"] == "batch_cancelled" for x in err) and err
 
 
