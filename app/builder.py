@@ -11,7 +11,7 @@ from ray import serve
 from ray.serve import Application
 
 from app.config import SummitConfig
-from app.deployment_options import (BATCH_API_OPTIONS, batch_runner_options, engine_pool_options,
+from app.deployment_options import (BATCH_API_OPTIONS, RATE_LIMITER_OPTIONS, batch_runner_options, engine_pool_options,
                                     ingress_deployment_options, llm_deployment_options,
                                     pool_problem, prefill_deployment_options, replica_bundles, route_picker_options,
                                     serving_models)
@@ -21,6 +21,7 @@ from deployments.batch_api import BatchAPI
 from deployments.batch_runner import BatchRunner
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
+from deployments.rate_limit import RateLimiter
 from deployments.route_picker import RoutePicker
 
 logger = logging.getLogger("ray.serve")
@@ -89,10 +90,11 @@ def build_app(args: dict[str, Any]) -> Application:
                                                                       monitoring=config.monitoring) for m in config.models if m.disaggregation}
     engine_names = engine_deployment_names(config, path)
     batch_api = batch_app(config, engine_names)
+    limiter = rate_limiter(config)
     if path == "direct":
         models = [(m, m.resolved_source()) for m in serving]
         engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(serving))
-        engines_app = engines.bind(models, config.auth, prefill, batch_api, config.monitoring)
+        engines_app = engines.bind(models, config.auth, prefill, batch_api, config.monitoring, limiter)
         if len(models) == 1 and config.models[0].routing.policy == "least_load":
             return engines_app  # HAProxy's own choice (leastconn) is least-load: no routing call per request
         picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines_app)
@@ -104,7 +106,7 @@ def build_app(args: dict[str, Any]) -> Application:
         for m in serving
     }
     ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))
-    return ingress.bind(servers, config.auth, batch_api)
+    return ingress.bind(servers, config.auth, batch_api, limiter)
 
 
 def engine_deployment_names(config: SummitConfig, path: str) -> dict[str, str]:
@@ -125,6 +127,15 @@ def batch_app(config: SummitConfig, engine_names: dict[str, str]) -> Application
     runner = serve.deployment(BatchRunner).options(**batch_runner_options()).bind(
         options, engine_names, priority, BATCH_API_OPTIONS["name"])
     return serve.deployment(BatchAPI).options(**BATCH_API_OPTIONS).bind(options, runner)
+
+
+def rate_limiter(config: SummitConfig) -> Application | None:
+    """The application's one RateLimiter (per-key limits across every HTTP entry), when `auth.rate_limit` is set."""
+    limit = config.auth.rate_limit if config.auth is not None else None
+    if limit is None:
+        return None
+    return serve.deployment(RateLimiter).options(**RATE_LIMITER_OPTIONS).bind(limit.requests_per_minute,
+                                                                              limit.tokens_per_minute)
 
 
 def haproxy_enabled() -> bool:

@@ -140,6 +140,9 @@ class ModelConfig(_Strict):
     stream_coalesce_ms: float = Field(
         20.0, ge=0, le=1000, description="Merge a stream's chunks that arrive within this window into one message (first token never waits)."
     )
+    stream_migration: Literal["greedy", "all", "off"] = Field(
+        "greedy", description="When a replica's engine dies mid-stream, go on from another replica: greedy (temperature-0 "
+        "streams, continued exactly), all (any temperature: sampled anew from there), off (README: Reliability).")
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options.")
     routing: RoutingOptions = Field(default_factory=RoutingOptions, description="Replica choice: least_load (default), prefix_affinity or session_affinity.")
     gpus_per_node: int | None = Field(
@@ -338,12 +341,27 @@ class IngressOptions(_Strict):
     max_ongoing_requests: int = Field(2048, ge=1, description="Requests one ingress replica handles at once.")
 
 
+class RateLimitOptions(_Strict):
+    """Per-key limits (each API key its own), enforced across the application's replicas (deployments/rate_limit.py)."""
+
+    requests_per_minute: int | None = Field(None, ge=1, description="OpenAI POST requests a key may send a minute.")
+    tokens_per_minute: int | None = Field(None, ge=1, description="Prompt (≈ characters / 4) + max_tokens, charged on arrival.")
+    default_max_tokens: int = Field(1024, ge=0, description="What a request without max_tokens is charged for its output.")
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> RateLimitOptions:
+        if self.requests_per_minute is None and self.tokens_per_minute is None:
+            raise ValueError("auth.rate_limit: give requests_per_minute and/or tokens_per_minute (or remove rate_limit)")
+        return self
+
+
 class AuthOptions(_Strict):
     """API keys required on every OpenAI route (`Authorization: Bearer KEY`; `/health` stays open)."""
 
     api_keys_env: str | None = Field(
         None, description="Environment variable holding the keys (comma-separated), read where the ingress runs.")
     api_keys_file: str | None = Field(None, description="File holding the keys, one a line (e.g. a mounted secret).")
+    rate_limit: RateLimitOptions | None = Field(None, description="Requests and tokens per minute per key (off if absent).")
 
     @model_validator(mode="after")
     def _one_source(self) -> AuthOptions:

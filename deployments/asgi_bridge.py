@@ -11,6 +11,7 @@ abort the engine request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -100,3 +101,47 @@ async def _coalesce(queue: asyncio.Queue, chunks: list[bytes], ended: bool, coal
             chunks.append(message.get("body", b""))
             ended = not message.get("more_body", False)
     return ended
+
+
+# ASGI plumbing shared by the replica front
+
+def header(headers, name: bytes) -> bytes | None:
+    return next((v for k, v in headers if k.lower() == name), None)
+
+
+async def read_body(receive, limit: int | None = None) -> bytes | None:
+    """The whole request body; None once it grows past `limit` bytes (the rest is left unread)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if limit is not None and size > limit:
+            return None
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def send_json(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_plain(send, status: int) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def lifespan(receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

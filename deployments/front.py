@@ -22,15 +22,18 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from deployments.asgi_bridge import header, lifespan, read_body, send_json, send_plain
 from deployments.auth import authorized, unauthorized
 from deployments.errors import error_body, error_response, openai_error_bytes, request_problem
 from deployments.flow import Admission, Coalescer
 from deployments.handoff import BATCH_PREFIXES, OWNER_HEADER, owner_of, relay
 from deployments.metrics import ReplicaMetrics
-from deployments.model_names import BadModel, model_for
+from deployments.migration import Resumable, resumable, resume_or_fail
+from deployments.model_names import BadModel, model_and_payload
 from deployments.observe import ARRIVAL_HEADER, RequestWatch
 from deployments.openapi import build as build_openapi
 from deployments.pd import PD_ROUTES, ClientGone, Disaggregated, PrefillFailed, decode_body
+from deployments.rate_limit import Limits
 from deployments.protocol import HTTPRequest
 from deployments.tracing import Tracing
 
@@ -80,29 +83,37 @@ class ReplicaFront:
         self.admission: Admission | None = None
         # a disaggregated model's decode side: its prompts are prefilled by its prefill pool first (deployments/pd.py)
         self.disaggregated: Disaggregated | None = None
+        # stream migration (deployments/migration.py): which streams resume on another replica when this engine dies
+        # (stream_migration: greedy | all | off), where the continuation goes (a Serve stream from one of the model's
+        # replicas), and whether a reasoning or tool parser shapes chat deltas (those are not resumed)
+        self.migration = "off"
+        self.limits: Limits | None = None  # per-key rate limits (auth.rate_limit; deployments/rate_limit.py)
+        self.resume_to: Callable[[HTTPRequest], Any] | None = None
+        self.chat_parsers = False
+        self.detokenizer: Callable | None = None  # vLLM's, for a continuation's text (Resumable)
         # what generation requests record (monitoring:): serving metrics and traces; None = off
         self.metrics: ReplicaMetrics | None = None
         self.tracing: Tracing | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":  # vLLM's app was started with its engine; nothing to start or stop here
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
         if path == "/health":
             status = 503 if self._engine_dead() else 200
-            await _send_plain(send, status)
+            await send_plain(send, status)
             return
         if path == "/openapi.json" and method == "GET":  # what a client may send (public, as vLLM's own)
             if self._openapi is None:
                 self._openapi = build_openapi(self._app.openapi(), POST_ROUTES, self._batch_api is not None,
                                               self._keys is not None)
-            await _send_json(send, 200, self._openapi)
+            await send_json(send, 200, self._openapi)
             return
         headers = scope.get("headers") or []
-        authorization = _header(headers, b"authorization")
+        authorization = header(headers, b"authorization")
         # a request through a Serve handle (from another replica, the batch runner) was let in where it entered
         if (self._keys is not None and not scope.get(INTERNAL_SCOPE_KEY)
                 and not authorized(authorization and authorization.decode(), self._keys)):
@@ -119,15 +130,19 @@ class ReplicaFront:
             await error_response(status, f"{method} {path} is not served; OpenAI routes: GET /v1/models, /v1/files, /v1/batches, "
                                  f"POST {', '.join(sorted(POST_ROUTES))}")(scope, receive, send)
             return
-        body = await _read_body(receive, MAX_REQUEST_BYTES)
+        body = await read_body(receive, MAX_REQUEST_BYTES)
         if body is None:
             await error_response(413, f"the request body is larger than {MAX_REQUEST_BYTES >> 20} MiB")(scope, receive, send)
             return
         try:
-            name = model_for(body, self._models)
+            name, payload = model_and_payload(body, self._models)
         except BadModel as e:
             await error_response(e.status, str(e), param=e.param)(scope, receive, send)
             return
+        if self.limits is not None and not scope.get(INTERNAL_SCOPE_KEY):  # per-key limits, where the request entered
+            if refusal := await self.limits.refusal(owner_of(authorization), path, payload):
+                await refusal(scope, receive, send)
+                return
         if name != self.model:  # a body cut at HAProxy's buffer, or a stale route: hand it to its model's replica
             await self._to_other_replica(name, scope, headers, body, receive, send)
             return
@@ -140,7 +155,7 @@ class ReplicaFront:
             watch = RequestWatch(self.metrics, self.tracing, scope, headers, self._replica_id.decode(), self.model,
                                  bool(scope.get(INTERNAL_SCOPE_KEY)))
         if self.admission is None:
-            await self._serve(scope, headers, body, receive, send, watch)
+            await self._serve(scope, headers, body, receive, send, watch, payload)
             return
         if self.admission.full():
             if self.metrics is not None:
@@ -151,10 +166,12 @@ class ReplicaFront:
         async with self.admission.slot():
             if watch is not None:
                 watch.span("summit.queue", queued_ns, time.time_ns())
-            await self._serve(scope, headers, body, receive, send, watch)
+            await self._serve(scope, headers, body, receive, send, watch, payload)
 
-    async def _serve(self, scope, headers, body: bytes, receive, send, watch: RequestWatch | None = None) -> None:
+    async def _serve(self, scope, headers, body: bytes, receive, send, watch: RequestWatch | None = None,
+                     payload: dict | None = None) -> None:
         if self.disaggregated is not None and scope["path"] in PD_ROUTES:
+            payload = None  # the decode engine runs another body (not resumed elsewhere)
             started_ns = time.time_ns()
             body = await self._prefill_first(scope, headers, body, receive, send)
             if watch is not None:
@@ -163,7 +180,7 @@ class ReplicaFront:
                 if watch is not None:
                     watch.end()
                 return
-        await self._to_engine(scope, headers, body, receive, send, watch)
+        await self._to_engine(scope, headers, body, receive, send, watch, payload)
         if watch is not None:
             watch.end()
 
@@ -180,7 +197,7 @@ class ReplicaFront:
         if limit := pd.limit(scope["path"], payload):
             await error_response(400, limit)(scope, receive, send)
             return None
-        client_id = _header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+        client_id = header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
         prefill_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
         prefill_headers.append((REQUEST_ID_HEADER, client_id))
         try:
@@ -202,8 +219,14 @@ class ReplicaFront:
             return None
         return decode_body(payload, answer["kv_transfer_params"])
 
-    async def _to_engine(self, scope, headers, body: bytes, receive, send, watch: RequestWatch | None = None) -> None:
-        client_id = _header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+    async def _to_engine(self, scope, headers, body: bytes, receive, send, watch: RequestWatch | None = None,
+                         payload: dict | None = None) -> None:
+        client_id = header(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+        resume: Resumable | None = None  # a stream that goes on elsewhere if this engine dies (deployments/migration.py)
+        if self.migration != "off" and payload is not None and self.resume_to is not None and not resumable(
+                scope["path"], payload, self.migration, self.chat_parsers):
+            resume = Resumable(scope["path"], payload, self.model, client_id, self.detokenizer)
+            body = resume.engine_body()
         engine_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
         engine_headers += [(REQUEST_ID_HEADER, client_id + b"-" + uuid.uuid4().hex[:8].encode()),
                            (b"content-length", str(len(body)).encode())]
@@ -233,7 +256,13 @@ class ReplicaFront:
         stream: Coalescer | None = None  # a streamed (SSE) answer
 
         async def engine_send(message: dict) -> None:
-            nonlocal error, answered, stream
+            nonlocal error, answered, stream, resume
+            if resume is not None and message["type"] == "http.response.body":
+                message = {**message, "body": resume.outgoing(message.get("body", b""))}
+                if resume.failed:  # the rest is held back: resumed elsewhere (after the app returns) or sent then
+                    if message["body"]:
+                        await to_client(message["body"], True)
+                    return
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 answered = True
             if message["type"] == "http.response.start":
@@ -243,7 +272,9 @@ class ReplicaFront:
                     watch.status = message["status"]
                     watch.response_headers(out)
                 message = {**message, "headers": out}
-                is_sse = (_header(out, b"content-type") or b"").startswith(b"text/event-stream")
+                is_sse = (header(out, b"content-type") or b"").startswith(b"text/event-stream")
+                if not is_sse or message["status"] != 200:
+                    resume = None
                 if message["status"] >= 500 and self._engine_dead():  # the engine died under this request
                     error = {"start": {**message, "status": 503, "headers": out + [(b"retry-after", RETRY_AFTER_S.encode())]},
                              "body": [], "message": "The model engine of this replica died; it is being replaced. Retry."}
@@ -274,8 +305,19 @@ class ReplicaFront:
                 return
             await send(message)
 
+        async def to_client(chunk: bytes, more_body: bool) -> None:
+            if stream is not None:
+                await stream.body(chunk, more_body)
+            else:
+                await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+
         try:
             await self._app({**scope, "headers": engine_headers}, engine_receive, engine_send)
+            if resume is not None and resume.failed:  # vLLM ended the stream with an error event
+                outcome = await resume_or_fail(resume, self._engine_dead, self.resume_to, to_client, receive)
+                if self.metrics is not None and outcome:
+                    self.metrics.stream_migration(outcome)
+                answered = True
         except asyncio.CancelledError:  # the two-hop path cancels the app when its caller goes
             log_cancel()
             raise
@@ -291,7 +333,7 @@ class ReplicaFront:
                 stream.close()
 
     async def _to_other_replica(self, name: str, scope, headers, body: bytes, receive, send) -> None:
-        if self._forward is None or _header(headers, FORWARDED_HEADER):  # forwarded once already: no loops
+        if self._forward is None or header(headers, FORWARDED_HEADER):  # forwarded once already: no loops
             await error_response(503, f"this replica serves {self.model!r}, not {name!r}; retry",
                                  headers={"retry-after": RETRY_AFTER_S})(scope, receive, send)
             return
@@ -306,7 +348,7 @@ class ReplicaFront:
             await error_response(404, f"{scope['path']}: the Batch API is not enabled in this application; add a "
                                  "`batch:` block to its args (README: Batch)")(scope, receive, send)
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         owner = owner_of(authorization) if self._keys is not None else b""
         forwarded = HTTPRequest(scope["method"], scope["path"], body, scope.get("query_string", b""),
                                 [(k, v) for k, v in headers if k.lower() not in (b"authorization", OWNER_HEADER)]
@@ -333,27 +375,7 @@ class ReplicaFront:
             ready = await asyncio.gather(*(self._model_ready(m) for m in others))
             others = [m for m, ok in zip(others, ready) if ok]
         data = own + [self._cards.get(m, {"id": m, "object": "model", "owned_by": "summit"}) for m in others]
-        await _send_json(send, 200, {"object": "list", "data": data})
-
-
-def _header(headers, name: bytes) -> bytes | None:
-    return next((v for k, v in headers if k.lower() == name), None)
-
-
-async def _read_body(receive, limit: int | None = None) -> bytes | None:
-    """The whole request body; None once it grows past `limit` bytes (the rest is left unread)."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if limit is not None and size > limit:
-            return None
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+        await send_json(send, 200, {"object": "list", "data": data})
 
 
 async def _send_error(send, start: dict, body: bytes) -> None:
@@ -362,25 +384,3 @@ async def _send_error(send, start: dict, body: bytes) -> None:
     headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": start["status"], "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _send_json(send, status: int, payload: dict) -> None:
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _send_plain(send, status: int) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _lifespan(receive, send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

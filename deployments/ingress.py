@@ -23,9 +23,10 @@ from app.config import AuthOptions
 from deployments.auth import authorized, load_api_keys, unauthorized
 from deployments.errors import error_response, openai_error_bytes
 from deployments.handoff import OWNER_HEADER, can_route, owner_of
-from deployments.model_names import BadModel, model_for
+from deployments.model_names import BadModel, model_and_payload
 from deployments.observe import ARRIVAL_HEADER
 from deployments.protocol import HTTPRequest, ResponseStart
+from deployments.rate_limit import Limits
 from deployments.replica_stream import ModelUnavailable, ReplicaStream, first_response, rest_of_body
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -55,10 +56,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, servers: dict[str, DeploymentHandle], auth: AuthOptions | None = None,
-                 batch_api: DeploymentHandle | None = None):
+                 batch_api: DeploymentHandle | None = None, limiter: DeploymentHandle | None = None):
         self._servers = servers
         self._batch_api = batch_api
         self._keys = load_api_keys(auth.api_keys_env, auth.api_keys_file) if auth else None
+        self._limits = Limits(limiter, auth.rate_limit.default_max_tokens) if limiter is not None else None
 
     def _denied(self, request: Request) -> Response | None:
         """The 401 for a request without a valid API key, when keys are configured."""
@@ -152,9 +154,13 @@ class OpenAIIngress:
         arrival = time.time()
         body = await request.body()
         try:
-            name = model_for(body, list(self._servers))
+            name, payload = model_and_payload(body, list(self._servers))
         except BadModel as e:
             return error_response(e.status, str(e), param=e.param)
+        if self._limits is not None:
+            owner = owner_of(request.headers.get("authorization", "").encode())
+            if refusal := await self._limits.refusal(owner, request.url.path, payload):
+                return refusal
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _DROP_REQUEST_HEADERS]
         headers = [(k, v) for k, v in headers if k.lower() != ARRIVAL_HEADER]
         headers += [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode()),

@@ -29,6 +29,7 @@ from deployments.flow import Admission
 from deployments.front import INTERNAL_SCOPE_KEY, ReplicaFront
 from deployments.handoff import can_route
 from deployments.pd import Disaggregated
+from deployments.rate_limit import Limits
 from deployments.protocol import HTTPRequest, ResponseStart
 from deployments.tracing import Tracing
 
@@ -40,12 +41,12 @@ class LLMServer:
 
     async def __init__(self, models: list[tuple[ModelConfig, str]], auth: AuthOptions | None = None,
                        prefill: dict[str, DeploymentHandle] | None = None, batch_api: DeploymentHandle | None = None,
-                       monitoring: MonitoringOptions | None = None):
+                       monitoring: MonitoringOptions | None = None, limiter: DeploymentHandle | None = None):
         """`models`: (config, resolved source) of each model this deployment hosts, one per replica; `auth`: the API
         keys when this deployment is the HTTP entry (direct path); `prefill`: the prefill pool of each disaggregated
         model among them (this deployment is then that model's decode pool); `batch_api`: the Batch API's store, which
         the HTTP entry hands /v1/files and /v1/batches to (direct path, batch on); `monitoring`: metrics, traces and
-        the warm-up (app/monitoring.py)."""
+        the warm-up (app/monitoring.py); `limiter`: the per-key RateLimiter (direct path, `auth.rate_limit`)."""
         monitoring = monitoring or MonitoringOptions()
         self._replica_id = _replica_id()
         model, source = models[pool_model_index(_replica_rank(), [m.deployment.num_replicas for m, _ in models])]
@@ -72,12 +73,17 @@ class LLMServer:
             batch_api=(lambda request, h=batch_api.options(stream=True): h.handle_http.remote(request))
             if batch_api is not None else None, model_ready=self._model_ready if len(models) > 1 else None)
         self._front.metrics = self._metrics if monitoring.metrics else None
+        if limiter is not None:
+            self._front.limits = Limits(limiter, auth.rate_limit.default_max_tokens)
         self._metrics.start_counters()
         if monitoring.metrics:
             self._engine_metrics = metrics.EngineMetricsBridge(vllm_adapter.engine_metric_samples, self._replica_id).start()
         self._tracing = Tracing(monitoring.tracing)
         self._front.tracing = self._tracing if self._tracing.enabled else None
         self._own_handle = None
+        self._front.migration, self._front.resume_to = model.stream_migration, self._forward
+        self._front.detokenizer = lambda *point: vllm_adapter.output_detokenizer(self._engine_app.engine, *point)
+        self._front.chat_parsers = bool(model.frontend_kwargs.get("reasoning_parser") or model.frontend_kwargs.get("tool_call_parser"))
         if prefill and model.name in prefill:
             handle = prefill[model.name].options(stream=True)
             self._front.disaggregated = Disaggregated(lambda request: handle.handle_http.remote(request),
@@ -86,8 +92,8 @@ class LLMServer:
         self._max_ongoing = model.max_ongoing_requests
 
     def _forward(self, request: HTTPRequest):
-        """A Serve response stream for another model's request, from one of that model's replicas (same deployment:
-        its router keeps to `request.model`)."""
+        """A Serve response stream for another model's request (or a resumed stream's continuation), from one of that
+        model's replicas (same deployment: its router keeps to `request.model`)."""
         return self._pool_handle().options(stream=True).handle_http.remote(request)
 
     def _pool_handle(self) -> DeploymentHandle:

@@ -165,6 +165,11 @@ class ReplicaMetrics:
         _record("counter", "summit_client_aborts", "Requests whose client left before the answer ended (the engine "
                 "request was aborted).", n, self.tags)
 
+    def stream_migration(self, outcome: str) -> None:
+        _record("counter", "summit_stream_migrations", "Streams whose engine died under them, by outcome: resumed on "
+                "another replica, failed (no replica took the continuation in time: the client got the error), "
+                "client_gone.", 1, {**self.tags, "outcome": outcome})
+
     def load_stage(self, stage: str) -> None:
         """Enter a start-up stage (LOAD_STAGES); the previous one's duration is recorded."""
         now = time.monotonic()

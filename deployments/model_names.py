@@ -20,6 +20,11 @@ class BadModel(Exception):
 
 
 def model_for(body: bytes, known: Sequence[str]) -> str:
+    return model_and_payload(body, known)[0]
+
+
+def model_and_payload(body: bytes, known: Sequence[str]) -> tuple[str, dict]:
+    """The model a request body names (the only one when it names none) and the parsed body."""
     try:
         payload = json.loads(body)
     except ValueError as e:
@@ -30,9 +35,9 @@ def model_for(body: bytes, known: Sequence[str]) -> str:
         raise BadModel("request body must be a JSON object", 400, param=None)
     name = payload.get("model")
     if name is None and len(known) == 1:
-        return known[0]
+        return known[0], payload
     if not isinstance(name, str):
         raise BadModel(f"`model` is required; known models: {', '.join(known)}", 400)
     if name not in known:
         raise BadModel(f"The model `{name}` does not exist. Known models: {', '.join(known)}", 404)
-    return name
+    return name, payload

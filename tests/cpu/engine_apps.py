@@ -60,6 +60,14 @@ def running_replicas(cluster: LocalCluster, deployment: str) -> list[str]:
     return sorted(r["replica_id"] for r in deployment_details(cluster, deployment)["replicas"] if r["state"] == "RUNNING")
 
 
+def replica_ports(cluster: LocalCluster) -> list[tuple[str, int]]:
+    """The engine replicas' own HTTP ports (direct path), as HAProxy's config names them."""
+    import re
+
+    config = next((cluster.temp_dir / "h").rglob("haproxy.cfg")).read_text()
+    return sorted({(h, int(p)) for h, p in re.findall(r"server SERVE_REPLICA\S+ (\S+):(\d+) check", config)})
+
+
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -15,26 +15,29 @@ import pytest
 from tests.local_cluster import LocalCluster, load_serve_config
 from tests.replica_probe import probe
 from tests.cpu.conftest import MAX_MODEL_LEN
-from tests.cpu.engine_apps import APP, REPO
+from tests.cpu.engine_apps import APP, REPO, replica_ports
 
 MODEL = "tiny-llama"
 # The dropped stream must outlast the disconnect's way to the engine on a loaded box (the openai client's close
 # took seconds to reach the server in some runs, while the tiny model makes ~400 tokens/s).
 DROPPED_TOKENS = MAX_MODEL_LEN - 100
 API_KEY = "sk-summit-test-key"
+LIMITED_KEY = "sk-summit-limited"  # the key the rate-limit test spends (each key has its own limits)
+# the other tests' requests stay well inside these
+RATE_LIMIT = {"requests_per_minute": 20, "tokens_per_minute": 100_000}
 
 
 @pytest.fixture(scope="module")
 def behind_haproxy(tiny_model_dir):
     # the keys live in the cluster's environment (as a secret would), not in the Serve config
     cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir),
-                                            "SUMMIT_API_KEYS": f"other-key,{API_KEY}"}, haproxy=True)
+                                            "SUMMIT_API_KEYS": f"other-key,{API_KEY},{LIMITED_KEY}"}, haproxy=True)
     try:
         cluster.start()
         config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
         application = config["applications"][0]
         application["args"]["models"][0]["engine_kwargs"]["max_model_len"] = MAX_MODEL_LEN
-        application["args"]["auth"] = {"api_keys_env": "SUMMIT_API_KEYS"}
+        application["args"]["auth"] = {"api_keys_env": "SUMMIT_API_KEYS", "rate_limit": RATE_LIMIT}
         cluster.serve_deploy(config, ready_path="/health")  # /v1/models needs the key; the deploy waits for RUNNING
         yield cluster
     finally:
@@ -81,6 +84,28 @@ def test_api_keys_are_required_on_every_openai_route(behind_haproxy, hclient):
     assert not [f.name for f in logs.rglob("*") if f.is_file() and API_KEY.encode() in f.read_bytes()]  # never logged
 
 
+def test_each_key_is_rate_limited_on_its_own_with_openai_429s(behind_haproxy, hclient):
+    """auth.rate_limit through the RateLimiter deployment: a key over its requests per minute gets OpenAI's 429 with
+    Retry-After (the official client raises RateLimitError), another key is still served, and a request whose
+    tokens can never fit the key's tokens per minute is refused at once."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {LIMITED_KEY}"}
+    answers = [httpx.post(behind_haproxy.base_url + "/tokenize", json={"model": MODEL, "prompt": "x"}, headers=headers,
+                          timeout=30) for _ in range(RATE_LIMIT["requests_per_minute"] + 5)]
+    statuses = [r.status_code for r in answers]
+    assert set(statuses) == {200, 429} and statuses.index(429) >= RATE_LIMIT["requests_per_minute"], statuses
+    refused = answers[statuses.index(429)]
+    assert refused.json()["error"]["type"] == "RateLimitError" and "requests per minute (20)" in refused.json()["error"]["message"]
+    assert 1 <= int(refused.headers["retry-after"]) <= 3 and LIMITED_KEY not in refused.text
+    limited = openai.OpenAI(base_url=behind_haproxy.base_url + "/v1", api_key=LIMITED_KEY, max_retries=0, timeout=60)
+    with pytest.raises(openai.RateLimitError):
+        limited.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert hclient.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
+    with pytest.raises(openai.RateLimitError, match="exceed the key's 100000 tokens per minute"):
+        hclient.completions.create(model=MODEL, prompt="x", max_tokens=200_000)
+
+
 def test_batch_files_and_batches_belong_to_their_key(behind_haproxy, hclient):
     """With keys on, a file or batch is its key's: another valid key neither lists nor reads it; the runner's own
     calls to the engine (through a Serve handle) need no key and the batch completes."""
@@ -108,14 +133,6 @@ def test_batch_files_and_batches_belong_to_their_key(behind_haproxy, hclient):
         time.sleep(0.5)
     assert batch.status == "completed" and batch.request_counts.completed == 3
     assert infile.id in {f.id for f in hclient.files.list().data}
-
-
-def replica_ports(cluster: LocalCluster) -> list[tuple[str, int]]:
-    """The engine replicas' own HTTP ports, as HAProxy's config names them."""
-    import re
-
-    config = next((cluster.temp_dir / "h").rglob("haproxy.cfg")).read_text()
-    return sorted({(h, int(p)) for h, p in re.findall(r"server SERVE_REPLICA\S+ (\S+):(\d+) check", config)})
 
 
 def test_each_replicas_own_port_wants_the_key_too(behind_haproxy):

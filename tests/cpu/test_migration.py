@@ -1,0 +1,113 @@
+"""Stream migration on real engines (direct path, 2 replicas): the engine under four temperature-0 streams
+(completions and chat, with and without token ids) is killed mid-stream; each client sees one uninterrupted stream
+equal, token for token, to the same request run without a fault, and no error.
+
+The references go through HAProxy; the four struck streams go straight to one replica's own HTTP port (where HAProxy
+would forward them), so that one kill strikes all four: through HAProxy the route picker places each new stream only
+once the busy replica answers its load probe, seconds later on 2 cores, when the first streams are near their end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.cpu.engine_apps import deployed, replica_ports, running_replicas, tiny_model, wait_for
+from tests.engine_checks import engine_core_processes
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = "tiny-migrate"
+POOL = f"LLMServer:{MODEL}"
+TOKENS = 3000
+CASES = {
+    "completion+ids": ("/v1/completions", {"prompt": "The summit ridge in winter", "return_token_ids": True}),
+    "completion": ("/v1/completions", {"prompt": "A long descent from the col"}),
+    "chat+ids": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me of the ridge"}],
+                                          "return_token_ids": True}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "And of the glacier"}]}),
+}
+
+
+@pytest.fixture(scope="module")
+def app(tiny_model_dir):
+    # KV for every stream at once (≈ 2 KiB a token): with less, vLLM queues the later streams behind the first
+    model = tiny_model(MODEL, {"max_model_len": 4096, "max_num_seqs": 32, "kv_cache_memory_bytes": 256 << 20},
+                       {"num_replicas": 2, "graceful_shutdown_timeout_s": 60})
+    with deployed([model], tiny_model_dir, haproxy=True) as cluster:
+        assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 2, 240, 1)
+        yield cluster
+
+
+def run_stream(base_url: str, path: str, extra: dict, progress: list | None = None,
+               started: Future | None = None) -> dict:
+    """One temperature-0 stream read to its end: its text, token ids (when asked), usage, ids, errors, replica."""
+    body = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    seen = {"text": "", "ids": [], "usage": None, "errors": [], "chunk_ids": set(), "done": False, "events": 0,
+            "sent": time.monotonic()}
+    with httpx.Client(base_url=base_url, timeout=httpx.Timeout(120, connect=10)) as client:
+        with client.stream("POST", path, json=body) as r:
+            seen["replica"] = r.headers.get("x-summit-replica")
+            if started is not None:
+                started.set_result(seen["replica"])
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    seen["done"] = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        seen["errors"].append(chunk["error"])
+                        continue
+                    seen["chunk_ids"].add(chunk["id"])
+                    seen["usage"] = chunk.get("usage") or seen["usage"]
+                    for choice in chunk["choices"]:
+                        seen["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                        seen["ids"] += choice.get("token_ids") or []
+                    seen["events"] += 1
+                    seen.setdefault("first", time.monotonic() - seen["sent"])
+                    if progress is not None:
+                        progress.append(1)
+    seen["last"] = time.monotonic() - seen["sent"]
+    return seen
+
+
+def test_streams_resume_on_another_replica_token_for_token(app):
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        reference = {name: pool.submit(run_stream, app.base_url, path, extra) for name, (path, extra) in CASES.items()}
+        reference = {name: f.result(timeout=600) for name, f in reference.items()}
+    assert all(r["usage"]["completion_tokens"] == TOKENS and not r["errors"] for r in reference.values())
+
+    host, port = replica_ports(app)[0]
+    progress: dict[str, list] = {name: [] for name in CASES}
+    started: dict[str, Future] = {name: Future() for name in CASES}
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        futures = {name: pool.submit(run_stream, f"http://{host}:{port}", path, extra, progress[name], started[name])
+                   for name, (path, extra) in CASES.items()}
+        victim = {f.result(timeout=120) for f in started.values()}
+        assert len(victim) == 1, victim  # one replica's own port
+        victim = victim.pop()
+        actor = next(a for a in app.alive_actors() if a["class_name"].endswith(POOL) and a["name"].endswith(victim))
+        cores = engine_core_processes(actor["pid"])
+        assert cores
+        # strike once every stream is under way and none near its end
+        assert wait_for(lambda: all(len(p) >= 40 for p in progress.values()), 120, 0.05)
+        at_kill = {name: len(p) for name, p in progress.items()}
+        for proc in cores:
+            proc.kill()
+        migrated = {name: f.result(timeout=600) for name, f in futures.items()}
+
+    for name, seen in migrated.items():
+        ref = reference[name]
+        assert at_kill[name] < ref["events"] - 10, (name, at_kill, ref["events"])
+        assert not seen["errors"] and seen["done"], (name, seen["errors"])
+        assert len(seen["chunk_ids"]) == 1, f"{name}: one stream id throughout, got {seen['chunk_ids']}"
+        assert seen["usage"] == ref["usage"], name
+        if ref["ids"]:
+            assert len(seen["ids"]) == TOKENS and seen["ids"] == ref["ids"], name
+        assert seen["text"] == ref["text"], name

@@ -1,0 +1,218 @@
+"""Stream migration (deployments/migration.py) on chunks as vLLM 0.32 writes them (captured from the tiny model), and
+through the replica front with a fake engine app that dies mid-stream (`DyingEngineApp`) and a fake Serve stream
+for the continuation. The real engines are in tests/cpu/test_migration.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from deployments.front import ReplicaFront
+from deployments.migration import Resumable, resumable
+from deployments.protocol import ResponseStart
+from tests.unit.test_front import FakeReplicaStream
+
+HEAD = '{"id":"cmpl-1","object":"text_completion","created":17,"model":"m","choices":[{"index":0,'
+ERROR = b'data: {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError", "code": 500}}\n\n'
+
+
+def completion_chunk(text: str, token: int, prompt: list[int] | None = None, with_ids: bool = True,
+                     head: str = HEAD, finish: str | None = None) -> bytes:
+    prompt_ids = json.dumps(prompt, separators=(",", ":")) if (prompt and with_ids) else "null"
+    ids = f"[{token}]" if with_ids else "null"
+    fin = json.dumps(finish)
+    return (f'data: {head}"text":{json.dumps(text)},"logprobs":null,"finish_reason":{fin},"stop_reason":null,'
+            f'"prompt_token_ids":{prompt_ids},"token_ids":{ids}}}]}}\n\n').encode()
+
+
+def usage_chunk(prompt: int, completion: int, head: str = '{"id":"cmpl-9","object":"text_completion","created":99,"model":"m",') -> bytes:
+    return (f'data: {head}"choices":[],"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
+            f'"completion_tokens":{completion}}},"system_fingerprint":"vllm"}}\n\n').encode()
+
+
+def test_what_can_be_resumed():
+    ok = {"stream": True, "temperature": 0, "prompt": "x"}
+    assert resumable("/v1/completions", ok, "greedy") is None
+    assert resumable("/v1/completions", {**ok, "prompt": [1, 2, 3]}, "greedy") is None
+    assert resumable("/v1/chat/completions", {**ok, "messages": []}, "greedy") is None
+    assert resumable("/v1/completions", {**ok, "temperature": 0.7}, "greedy") == "not temperature 0"
+    assert resumable("/v1/completions", {**ok, "temperature": 0.7}, "all") is None
+    assert resumable("/v1/completions", ok, "off")
+    for change in ({"stream": False}, {"n": 2}, {"logprobs": 1}, {"echo": True}, {"prompt": ["a", "b"]},
+                   {"presence_penalty": 0.5}, {"stream_options": {"continuous_usage_stats": True}},
+                   {"response_format": {"type": "json_object"}}, {"kv_transfer_params": {"x": 1}}):
+        assert resumable("/v1/completions", {**ok, **change}, "greedy"), change
+    assert resumable("/v1/chat/completions", {**ok, "tools": [{"type": "function"}]}, "greedy")
+    assert resumable("/v1/chat/completions", ok, "greedy", chat_parsers=True)
+    assert resumable("/tokenize", ok, "all")
+
+
+def test_the_client_gets_vllms_own_bytes_and_the_ids_are_recorded():
+    r = Resumable("/v1/completions", {"prompt": "x", "max_tokens": 10, "stream": True}, "m", b"req-1")
+    assert json.loads(r.engine_body())["return_token_ids"] is True
+    with_ids = [completion_chunk(" a", 5, prompt=[1, 2, 3]), completion_chunk("b", 6)]
+    without = [completion_chunk(" a", 5, prompt=[1, 2, 3], with_ids=False), completion_chunk("b", 6, with_ids=False)]
+    assert [r.outgoing(c) for c in with_ids] == without
+    assert r.prompt_ids == [1, 2, 3] and r.generated == [5, 6] and not r.failed
+    assert r.head == {"id": "cmpl-1", "object": "text_completion", "created": 17, "model": "m"}
+    # a client that asked for the ids gets them
+    asked = Resumable("/v1/completions", {"prompt": "x", "return_token_ids": True}, "m", b"req-2")
+    assert [asked.outgoing(c) for c in with_ids] == with_ids
+
+
+def test_an_error_event_and_what_follows_are_held_back():
+    r = Resumable("/v1/completions", {"prompt": "x", "max_tokens": 10}, "m", b"req-1")
+    r.outgoing(completion_chunk(" a", 5, prompt=[1, 2, 3]))
+    assert r.outgoing(completion_chunk("b", 6) + ERROR) == completion_chunk("b", 6, with_ids=False)
+    assert r.failed and r.outgoing(b"data: [DONE]\n\n") == b""
+    assert b"".join(r.held) == ERROR + b"data: [DONE]\n\n"
+    request = r.continuation()
+    body = json.loads(request.body)
+    assert request.path == "/v1/completions" and request.model == "m"
+    assert body["prompt"] == [1, 2, 3, 5, 6] and body["max_tokens"] == 8 and body["stream"] is True
+    assert request.header(b"x-request-id").startswith(b"req-1-m1-")
+
+
+def test_a_chat_stream_goes_on_as_chat_chunks_with_usage_over_the_whole_stream():
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 6, "temperature": 0,
+               "stream": True, "stream_options": {"include_usage": True}, "top_k": 3}
+    r = Resumable("/v1/chat/completions", payload, "m", b"req-1")
+    first = (b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+             b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+             b'"prompt_token_ids":[9,9,9,9],"prompt_text":null}\n\n')
+    token = (b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+             b'"delta":{"content":" in"},"logprobs":null,"finish_reason":null,"token_ids":[%d]}]}\n\n')
+    assert r.outgoing(first) == first.replace(b"[9,9,9,9]", b"null")
+    assert r.outgoing(token % 4) == token.replace(b"[%d]", b"null")
+    assert r.outgoing(ERROR) == b"" and r.failed
+    body = json.loads(r.continuation().body)
+    assert body == {"temperature": 0, "top_k": 3, "stream_options": {"include_usage": True}, "max_tokens": 5,
+                    "model": "m", "prompt": [9, 9, 9, 9, 4], "stream": True, "return_token_ids": True}
+    cont = completion_chunk("ch", 8, prompt=[9, 9, 9, 9, 4], head='{"id":"cmpl-x","object":"text_completion","created":99,"model":"m","choices":[{"index":0,')
+    chat = json.loads(r.rewrite(cont.rstrip(b"\n"))[6:])
+    assert chat == {"id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 5, "model": "m",
+                    "choices": [{"index": 0, "delta": {"content": "ch"}, "logprobs": None, "finish_reason": None,
+                                 "token_ids": None}]}
+    last = completion_chunk("!", 3, head='{"id":"cmpl-x","object":"text_completion","created":99,"model":"m","choices":[{"index":0,', finish="length")
+    assert json.loads(r.rewrite(last.rstrip(b"\n"))[6:])["choices"][0]["finish_reason"] == "length"
+    usage = json.loads(r.rewrite(usage_chunk(5, 2).rstrip(b"\n"))[6:])
+    assert usage["id"] == "chatcmpl-7" and usage["usage"] == {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3}
+    assert r.generated == [4, 8, 3]
+
+
+def test_nothing_to_go_on_from():
+    r = Resumable("/v1/completions", {"prompt": "x", "max_tokens": 1}, "m", b"req-1")
+    assert r.continuation() is None  # no prompt ids seen
+    r.outgoing(completion_chunk(" a", 5, prompt=[1]))
+    assert r.continuation() is None  # all of max_tokens generated
+
+
+class DyingEngineApp:
+    """A fake engine app: streams `tokens` completion chunks with their ids, then (`dies`) the error event vLLM writes
+    when its engine died, and [DONE]; `dead` is what the front asks."""
+
+    def __init__(self, tokens: int, dies: bool = True):
+        self.tokens, self.dies, self.dead, self.bodies = tokens, dies, False, []
+
+    async def __call__(self, scope, receive, send):
+        self.bodies.append(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        for i in range(self.tokens):
+            await send({"type": "http.response.body", "body": completion_chunk(f" t{i}", 100 + i, prompt=[1, 2] if i == 0 else None),
+                        "more_body": True})
+        if self.dies:
+            self.dead = True
+            await send({"type": "http.response.body", "body": ERROR, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def dying_front(engine: DyingEngineApp, continuations: list) -> tuple[ReplicaFront, list]:
+    app = ReplicaFront(engine, "m", ["m"], None, lambda: engine.dead, "replica-1")
+    app.migration, sent = "greedy", []
+
+    def resume_to(request):
+        sent.append(json.loads(request.body))
+        return continuations.pop(0)
+
+    app.resume_to = resume_to
+    return app, sent
+
+
+async def post(app, body):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+        return await client.post("/v1/completions", json=body)
+
+
+def test_the_front_resumes_a_stream_whose_engine_died_on_another_replica():
+    engine = DyingEngineApp(tokens=3)
+    other = '{"id":"cmpl-other","object":"text_completion","created":99,"model":"m","choices":[{"index":0,'
+    refused = FakeReplicaStream([ResponseStart(503, []), b'{"error": {"message": "dead engine"}}'])
+    taken = FakeReplicaStream([ResponseStart(200, []), completion_chunk(" t3", 103, prompt=[1, 2, 100, 101, 102], head=other),
+                               completion_chunk(" t4", 104, head=other, finish="length") + b"data: [DONE]\n\n"])
+    app, sent = dying_front(engine, [refused, taken])
+    r = asyncio.run(post(app, {"model": "m", "prompt": "x", "max_tokens": 5, "temperature": 0, "stream": True}))
+    events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+    assert r.text.endswith("data: [DONE]\n\n") and r.text.count("[DONE]") == 1 and '"error"' not in r.text
+    assert "".join(e["choices"][0]["text"] for e in events) == " t0 t1 t2 t3 t4"
+    assert {e["id"] for e in events} == {"cmpl-1"} and {e["created"] for e in events} == {17}
+    assert all(e["choices"][0]["token_ids"] is None and e["choices"][0]["prompt_token_ids"] is None for e in events)
+    assert engine.bodies[0]["return_token_ids"] is True
+    assert [s["prompt"] for s in sent] == [[1, 2, 100, 101, 102]] * 2 and sent[0]["max_tokens"] == 2
+
+
+@pytest.mark.parametrize("body", [{"temperature": 0.5}, {"temperature": 0, "stream": False}])
+def test_streams_not_resumed_are_left_as_vllm_answers_them(body):
+    engine = DyingEngineApp(tokens=2)
+    app, sent = dying_front(engine, [])
+    r = asyncio.run(post(app, {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True, **body}))
+    assert '"error"' in r.text and not sent and "return_token_ids" not in engine.bodies[0]
+
+
+def test_an_error_event_from_a_live_engine_reaches_the_client():
+    engine = DyingEngineApp(tokens=2)
+    engine.dies = False
+    app, sent = dying_front(engine, [])
+
+    async def run():
+        engine.tokens = 1
+        original = engine.__call__
+
+        async def erroring(scope, receive, send):  # an error event while the engine lives: a request's own error
+            async def send_with_error(message):
+                if message.get("body") == b"data: [DONE]\n\n":
+                    await send({"type": "http.response.body", "body": ERROR, "more_body": True})
+                await send(message)
+            await original(scope, receive, send_with_error)
+
+        app._app = erroring
+        return await post(app, {"model": "m", "prompt": "x", "max_tokens": 5, "temperature": 0, "stream": True})
+
+    r = asyncio.run(run())
+    assert r.text.endswith(ERROR.decode() + "data: [DONE]\n\n") and not sent
+
+
+def test_vllms_detokenizer_brought_to_the_cut_writes_what_the_whole_stream_would(tmp_path):
+    """The installed vLLM's detokenizer over the tiny model's tokenizer (byte tokens: characters split across tokens):
+    text up to a cut + text from the cut (primed with the tokens before it) == the uncut stream's text, for every cut."""
+    import random
+    from types import SimpleNamespace
+
+    from app.tiny_model import make_tiny_model
+    from deployments.vllm_adapter import output_detokenizer
+    from vllm.tokenizers import get_tokenizer
+
+    engine = SimpleNamespace(tokenizer=get_tokenizer(str(make_tiny_model(tmp_path / "m"))))
+    rng = random.Random(3)
+    prompt = [rng.randrange(4, 500) for _ in range(12)]
+    output = [rng.randrange(4, 500) for _ in range(60)]
+    whole = output_detokenizer(engine, prompt, [])
+    expected = [whole([t], False) for t in output]
+    assert sum(1 for t in expected if not t) > 0, "the sample should hold characters split across tokens"
+    for cut in range(1, len(output)):
+        resumed = output_detokenizer(engine, prompt, output[:cut])
+        assert "".join(resumed([t], False) for t in output[cut:]) == "".join(expected[cut:]), cut
