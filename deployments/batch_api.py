@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.batch.lines import URLS, window_seconds
 from app.batch.store import BatchStore, Conflict, NotFound
-from app.config import BatchOptions, expand_env
+from app.batch.options import BatchOptions
+from app.config import expand_env
 from deployments.asgi_bridge import stream_asgi
 from deployments.errors import error_response
 from deployments.handoff import OWNER_HEADER as OWNER

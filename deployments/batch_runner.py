@@ -22,7 +22,7 @@ from ray import serve
 
 from app.batch.core import Answer, Unavailable, run_lines
 from app.batch.lines import Line, parse_lines, unrun_line
-from app.config import BatchOptions
+from app.batch.options import BatchOptions
 from deployments import metrics
 from deployments.protocol import HTTPRequest
 from deployments.replica_stream import ModelUnavailable, first_response, rest_of_body

@@ -111,3 +111,72 @@ def test_streams_resume_on_another_replica_token_for_token(app):
         if ref["ids"]:
             assert len(seen["ids"]) == TOKENS and seen["ids"] == ref["ids"], name
         assert seen["text"] == ref["text"], name
+
+
+def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
+    """The installed vLLM in-process, without Ray: a temperature-0 stream's chunks through
+    `Resumable.outgoing` are vLLM's own bytes without token ids; cut after k chunks, the continuation request run on
+    the same engine and rewritten gives the rest of the uncut stream, text and ids, for completions and chat."""
+    import asyncio
+
+    from app.tiny_model import make_tiny_model
+    from deployments import vllm_adapter
+    from deployments.asgi_bridge import stream_asgi
+    from deployments.migration import Resumable
+    from deployments.protocol import HTTPRequest, ResponseStart
+
+    model = make_tiny_model(tmp_path / "m")
+    kwargs = {"max_model_len": 1024, "enforce_eager": True, "dtype": "bfloat16", "kv_cache_memory_bytes": 64 << 20}
+
+    async def events(app, path: str, body: dict) -> list[bytes]:
+        out = b""
+        async for item in stream_asgi(app, HTTPRequest("POST", path, json.dumps(body).encode(),
+                                                       headers=[(b"content-type", b"application/json")])):
+            if not isinstance(item, ResponseStart):
+                out += item
+        return [e for e in out.split(b"\n\n") if e]
+
+    def same_but_id(event: bytes) -> bytes:  # vLLM's own bytes, but for the request's own id and time
+        chunk = json.loads(event.strip()[6:])
+        return event.strip().replace(chunk["id"].encode(), b"ID").replace(b'"created":%d' % chunk["created"], b"")
+
+    def texts(chunks: list[bytes]) -> tuple[str, list[int]]:
+        text, ids = "", []
+        for e in chunks:
+            if e.startswith(b"data: {"):
+                for choice in json.loads(e[6:])["choices"]:
+                    text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    ids += choice.get("token_ids") or []
+        return text, ids
+
+    async def run() -> None:
+        args = vllm_adapter.serve_namespace(str(model), "m", kwargs, {})
+        engine_app = await vllm_adapter.start_engine_app(args, metrics=False)
+        try:
+            for path, extra in (("/v1/completions", {"prompt": "The ridge at dawn"}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}]})):
+                payload = {"model": "m", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}, **extra}
+                plain = await events(engine_app.app, path, payload)
+                with_ids = await events(engine_app.app, path, {**payload, "return_token_ids": True})
+                _, uncut_ids = texts(with_ids)
+                n = len(with_ids)  # ... the last token's chunk, the usage chunk, [DONE]
+                for cut in (1, 7, n // 2, n - 3):
+                    resume = Resumable(path, payload, "m", b"r",
+                                       lambda *point: vllm_adapter.output_detokenizer(engine_app.engine, *point))
+                    sent = [resume.outgoing(e + b"\n\n") for e in with_ids[:cut]]
+                    assert [same_but_id(e) for e in sent] == [same_but_id(e) for e in plain[:cut]], (path, cut)
+                    resume.outgoing(b'data: {"error": {"message": "engine died"}}\n\n')
+                    assert resume.failed and len(resume.generated) == len(texts(with_ids[:cut])[1])
+                    request = resume.continuation()
+                    rest = await events(engine_app.app, request.path, json.loads(request.body))
+                    written = [resume.rewrite(e) for e in rest]
+                    assert texts(sent)[0] + texts(written)[0] == texts(plain)[0], (path, cut)
+                    assert resume.generated == uncut_ids, (path, cut)
+                    usage = [json.loads(e[6:])["usage"] for e in written if b'"usage"' in e]
+                    assert usage == [json.loads(plain[-2][6:])["usage"]], (path, cut)
+                    assert written[-1] == b"data: [DONE]"
+        finally:
+            vllm_adapter.shutdown_engine(engine_app.engine)
+
+    asyncio.run(run())
