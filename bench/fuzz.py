@@ -42,8 +42,9 @@ GENERATION_CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2, "best_of
                    "logprobs": 5, "top_logprobs": 5, "prompt_logprobs": 5}
 
 
-def problem(status: int, headers, body: bytes) -> str | None:
-    """What is wrong with one answer, or None."""
+def problem(status: int, headers, body: bytes, sent: str = "") -> str | None:
+    """What is wrong with one answer, or None. `sent`: what the client sent (URL, query, body): an answer may echo
+    the client's own input (`?after=ReplicaId` answered "no object with id 'ReplicaId'") without leaking."""
     if status >= 500 and not (status == 503 and "retry-after" in {k.lower() for k in headers.keys()}):
         return f"server error {status}"
     if status >= 400:
@@ -55,8 +56,9 @@ def problem(status: int, headers, body: bytes) -> str | None:
         if not ok:
             return f"{status} not OpenAI-shaped"
         text = body.decode("utf-8", "replace")
-        if leak := LEAKS.search(text):
-            return f"{status} leaks {leak.group(0)!r}"
+        for leak in LEAKS.finditer(text):
+            if leak.group(0).lower() not in sent.lower():
+                return f"{status} leaks {leak.group(0)!r}"
     return None
 
 
@@ -166,8 +168,10 @@ def _send_case(session: httpx.Client, case, op, api_key, model, rng, report: Rep
     try:
         with session.stream(op.method.upper(), path, headers=headers, **kwargs) as r:
             data = r.read()
-            report.add(label, r.status_code, problem(r.status_code, r.headers, data), data.decode("utf-8", "replace"),
-                       kwargs.get("content") or repr(kwargs.get("files")).encode())
+            sent = kwargs.get("content") or repr(kwargs.get("files")).encode()
+            echo = f"{r.request.url} {sent.decode('utf-8', 'replace')}"
+            report.add(label, r.status_code, problem(r.status_code, r.headers, data, echo),
+                       data.decode("utf-8", "replace"), sent)
     except httpx.TimeoutException:
         report.add(label, None, "hung", str(kwargs.get("content", b""))[:400])
     except httpx.HTTPError as e:
