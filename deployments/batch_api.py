@@ -47,28 +47,31 @@ class BatchAPI:
             yield item
 
     # ---- for the runner (through its handle) -------------------------------------------------------------------
-    def active_batches(self) -> list[dict]:
+    # `async`, so that Serve runs them on the replica's event loop like the HTTP routes: a sync method runs in Serve's
+    # thread pool, and two threads on the one SQLite connection collide ("cannot start a transaction within a
+    # transaction", seen in CI while a 1,000-line batch recorded results as its cancel came in).
+    async def active_batches(self) -> list[dict]:
         return self.store.active_batches()
 
-    def get_batch(self, batch_id: str) -> dict:
+    async def get_batch(self, batch_id: str) -> dict:
         return self.store.get_batch(batch_id, None)
 
-    def update_batch(self, batch_id: str, expect: tuple[str, ...] | None = None, **fields) -> dict:
+    async def update_batch(self, batch_id: str, expect: tuple[str, ...] | None = None, **fields) -> dict:
         return self.store.update_batch(batch_id, expect, **fields)
 
-    def record(self, batch_id: str, results: list) -> dict:
+    async def record(self, batch_id: str, results: list) -> dict:
         return self.store.record(batch_id, results)
 
-    def finished_ids(self, batch_id: str) -> set[str]:
+    async def finished_ids(self, batch_id: str) -> set[str]:
         return self.store.finished_ids(batch_id)
 
-    def finalize(self, batch_id: str, status: str, unfinished: list) -> dict:
+    async def finalize(self, batch_id: str, status: str, unfinished: list) -> dict:
         return self.store.finalize(batch_id, status, unfinished)
 
-    def file_bytes(self, file_id: str) -> bytes:
+    async def file_bytes(self, file_id: str) -> bytes:
         return self.store.file_path(file_id).read_bytes()
 
-    def expire_files(self) -> int:
+    async def expire_files(self) -> int:
         return self.store.expire_files()
 
     # ---- HTTP ----------------------------------------------------------------------------------------------------

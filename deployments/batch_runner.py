@@ -52,7 +52,7 @@ class BatchRunner:
         self._task = asyncio.get_running_loop().create_task(self._run())
         self.current: str | None = None
 
-    def wake(self) -> None:
+    async def wake(self) -> None:  # on the event loop (a sync method would run in Serve's thread pool: Event is not thread-safe)
         self._wake.set()
 
     def state(self) -> dict:

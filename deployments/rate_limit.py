@@ -97,7 +97,8 @@ class RateLimiter:
     def __init__(self, requests_per_minute: int | None, tokens_per_minute: int | None):
         self._buckets = Buckets(requests_per_minute, tokens_per_minute)
 
-    def take(self, owner: bytes, tokens: int) -> tuple[float, str]:
+    async def take(self, owner: bytes, tokens: int) -> tuple[float, str]:
+        # async: on the replica's event loop, one call at a time (a sync method runs in Serve's thread pool)
         return self._buckets.take(owner, tokens)
 
 

@@ -79,7 +79,7 @@ class FakeLimiter:
         if self.down:
             raise RuntimeError("limiter gone")
         self.owners.append(owner)
-        return self.limiter.take(owner, tokens)
+        return await self.limiter.take(owner, tokens)
 
 
 async def post(app, key):
