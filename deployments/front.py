@@ -90,6 +90,7 @@ class ReplicaFront:
         self.limits: Limits | None = None  # per-key rate limits (auth.rate_limit; deployments/rate_limit.py)
         self.resume_to: Callable[[HTTPRequest], Any] | None = None
         self.chat_parsers = False
+        self.relaying = 0  # streams this replica is resuming elsewhere and relaying to their clients
         self.detokenizer: Callable | None = None  # vLLM's, for a continuation's text (Resumable)
         # what generation requests record (monitoring:): serving metrics and traces; None = off
         self.metrics: ReplicaMetrics | None = None
@@ -314,7 +315,11 @@ class ReplicaFront:
         try:
             await self._app({**scope, "headers": engine_headers}, engine_receive, engine_send)
             if resume is not None and resume.failed:  # vLLM ended the stream with an error event
-                outcome = await resume_or_fail(resume, self._engine_dead, self.resume_to, to_client, receive)
+                self.relaying += 1  # this replica must live on while it relays (LLMServer.check_health)
+                try:
+                    outcome = await resume_or_fail(resume, self._engine_dead, self.resume_to, to_client, receive)
+                finally:
+                    self.relaying -= 1
                 if self.metrics is not None and outcome:
                     self.metrics.stream_migration(outcome)
                 answered = True

@@ -14,6 +14,7 @@ import logging
 import logging.handlers
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -34,6 +35,8 @@ from deployments.protocol import HTTPRequest, ResponseStart
 from deployments.tracing import Tracing
 
 logger = logging.getLogger("ray.serve")
+# How long a replica whose engine died stays up (healthy to Serve) while it relays resumed streams.
+RELAY_GRACE_S = 300.0
 
 
 class LLMServer:
@@ -81,6 +84,7 @@ class LLMServer:
         self._tracing = Tracing(monitoring.tracing)
         self._front.tracing = self._tracing if self._tracing.enabled else None
         self._own_handle = None
+        self._dead_since: float | None = None
         self._front.migration, self._front.resume_to = model.stream_migration, self._forward
         self._front.detokenizer = lambda *point: vllm_adapter.output_detokenizer(self._engine_app.engine, *point)
         self._front.chat_parsers = bool(model.frontend_kwargs.get("reasoning_parser") or model.frontend_kwargs.get("tool_call_parser"))
@@ -134,7 +138,14 @@ class LLMServer:
         await self._front({**scope, INTERNAL_SCOPE_KEY: True}, receive, send)
 
     async def check_health(self) -> None:
-        """Serve calls this periodically: a dead engine marks the replica unhealthy and Serve replaces it."""
+        """Serve calls this periodically: a dead engine marks the replica unhealthy and Serve replaces it, but not while
+        the front relays streams it resumed on other replicas (it holds their clients' connections; its own port
+        answers new requests 503 meanwhile), for at most RELAY_GRACE_S after the engine died."""
+        if vllm_adapter.engine_is_dead(self._engine_app.engine) and self._front.relaying:
+            self._dead_since = self._dead_since or time.monotonic()
+            if time.monotonic() - self._dead_since < RELAY_GRACE_S:
+                logger.info("engine dead; replica kept for %d resumed streams it relays", self._front.relaying)
+                return
         await vllm_adapter.check_engine_health(self._engine_app.engine)
 
     def stats(self) -> dict:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.cpu.engine_apps import replica_ports, wait_for
 from tests.local_cluster import LocalCluster, load_serve_config
 from app.tiny_model import make_tiny_model
 
@@ -37,6 +39,11 @@ def summit(tiny_model_dir):
     try:
         cluster.start()
         cluster.serve_deploy(config)
+        # Serve's Python proxy (HAProxy's fallback) can answer the readiness check before HAProxy has the replica:
+        # wait for HAProxy's config to name it and for the reload that follows, so that the first test's stream does
+        # not start during a reload (in one CI run its first chunks then reached the client 14 s late).
+        assert wait_for(lambda: replica_ports(cluster), 120, 0.5), "HAProxy never listed the replica"
+        time.sleep(3)
         yield cluster
     finally:
         cluster.stop()
