@@ -226,7 +226,7 @@ class ReplicaFront:
         resume: Resumable | None = None  # a stream that goes on elsewhere if this engine dies (deployments/migration.py)
         if self.migration != "off" and payload is not None and self.resume_to is not None and not resumable(
                 scope["path"], payload, self.migration, self.chat_parsers):
-            resume = Resumable(scope["path"], payload, self.model, client_id, self.detokenizer)
+            resume = Resumable(scope["path"], payload, self.model, client_id, self.detokenizer, self._replica_id)
             body = resume.engine_body()
         engine_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
         engine_headers += [(REQUEST_ID_HEADER, client_id + b"-" + uuid.uuid4().hex[:8].encode()),

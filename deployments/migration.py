@@ -88,8 +88,10 @@ def resumable(path: str, payload: Any, policy: str, chat_parsers: bool = False) 
 class Resumable:
     """One stream that can go on elsewhere: what its engine has generated so far, and the continuation."""
 
-    def __init__(self, path: str, payload: dict, model: str, request_id: bytes, detokenizer: Callable | None = None):
+    def __init__(self, path: str, payload: dict, model: str, request_id: bytes, detokenizer: Callable | None = None,
+                 avoid_replica: bytes = b""):
         self.path, self.payload, self.model, self.request_id = path, payload, model, request_id
+        self.avoid_replica = avoid_replica  # the replica whose engine died: Summit's routers send the continuation elsewhere
         # (prompt ids, generated ids, skip_special_tokens, spaces_between_special_tokens) -> vLLM's detokenizer at that
         # point, (ids, ended) -> text (vllm_adapter.output_detokenizer): the continuation's text as the dead engine
         # would have written it, a character split at the cut included; None: the continuation's own text
@@ -162,8 +164,10 @@ class Resumable:
             self._text = self._detokenizer(self.prompt_ids, self.generated, p.get("skip_special_tokens", True),
                                            p.get("spaces_between_special_tokens", True))
         request_id = self.request_id + f"-m{self.migrations}-{uuid.uuid4().hex[:8]}".encode()
-        return HTTPRequest("POST", _COMPLETIONS, json.dumps(body).encode(), b"",
-                           [(b"content-type", b"application/json"), (b"x-request-id", request_id)], model=self.model)
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id)]
+        if self.avoid_replica:
+            headers.append((b"x-summit-avoid-replica", self.avoid_replica))
+        return HTTPRequest("POST", _COMPLETIONS, json.dumps(body).encode(), b"", headers, model=self.model)
 
     def rewrite(self, event: bytes) -> bytes:
         """One event of the continuation (a /v1/completions stream) in the original stream's shape."""

@@ -28,6 +28,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from app import routing
 from deployments import metrics
 from deployments.protocol import HTTPRequest
+
+# A request that must not go to this replica (a resumed stream's continuation, sent by the replica whose engine died)
+AVOID_HEADER = b"x-summit-avoid-replica"
 from deployments.tracing import DECISION_HEADER, decision_value
 
 logger = logging.getLogger("ray.serve")
@@ -128,6 +131,9 @@ class _SummitRouter(RequestRouter):
         candidate_replicas = same_model(candidate_replicas, model)
         if not candidate_replicas:  # the model's replicas have not reported yet: Serve asks again after a backoff
             return []
+        avoid = request.header(AVOID_HEADER) if request else None  # a resumed stream's dead replica
+        if avoid and len(candidate_replicas) > 1:
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid.decode()] or candidate_replicas
         policy = self._policy(model)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = await self._loads(candidate_replicas)

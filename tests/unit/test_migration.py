@@ -73,7 +73,10 @@ def test_an_error_event_and_what_follows_are_held_back():
     body = json.loads(request.body)
     assert request.path == "/v1/completions" and request.model == "m"
     assert body["prompt"] == [1, 2, 3, 5, 6] and body["max_tokens"] == 8 and body["stream"] is True
-    assert request.header(b"x-request-id").startswith(b"req-1-m1-")
+    assert request.header(b"x-request-id").startswith(b"req-1-m1-") and request.header(b"x-summit-avoid-replica") is None
+    away = Resumable("/v1/completions", {"prompt": "x", "max_tokens": 10}, "m", b"req-2", avoid_replica=b"rep-dead")
+    away.outgoing(completion_chunk(" a", 5, prompt=[1]))
+    assert away.continuation().header(b"x-summit-avoid-replica") == b"rep-dead"  # Summit's routers skip it
 
 
 def test_a_chat_stream_goes_on_as_chat_chunks_with_usage_over_the_whole_stream():
