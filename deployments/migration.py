@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from deployments.protocol import HTTPRequest
+from deployments.protocol import AVOID_HEADER, HTTPRequest
 from deployments.replica_stream import ModelUnavailable, first_response
 
 logger = logging.getLogger("ray.serve")
@@ -166,7 +166,7 @@ class Resumable:
         request_id = self.request_id + f"-m{self.migrations}-{uuid.uuid4().hex[:8]}".encode()
         headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id)]
         if self.avoid_replica:
-            headers.append((b"x-summit-avoid-replica", self.avoid_replica))
+            headers.append((AVOID_HEADER, self.avoid_replica))
         return HTTPRequest("POST", _COMPLETIONS, json.dumps(body).encode(), b"", headers, model=self.model)
 
     def rewrite(self, event: bytes) -> bytes:

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# A replica a request must not go to (a resumed stream's continuation names the replica whose engine died); Summit's
+# routers skip it.
+AVOID_HEADER = b"x-summit-avoid-replica"
+
+
 @dataclass
 class HTTPRequest:
     """What the ingress forwards to a model replica: enough to rebuild the ASGI scope."""

@@ -27,10 +27,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from app import routing
 from deployments import metrics
-from deployments.protocol import HTTPRequest
-
-# A request that must not go to this replica (a resumed stream's continuation, sent by the replica whose engine died)
-AVOID_HEADER = b"x-summit-avoid-replica"
+from deployments.protocol import AVOID_HEADER, HTTPRequest
 from deployments.tracing import DECISION_HEADER, decision_value
 
 logger = logging.getLogger("ray.serve")
