@@ -10,7 +10,7 @@ once the busy replica answers its load probe, seconds later on 2 cores, when the
 from __future__ import annotations
 
 import json
-import time
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
@@ -18,6 +18,7 @@ import pytest
 
 from tests.cpu.engine_apps import deployed, replica_ports, running_replicas, tiny_model, wait_for
 from tests.engine_checks import engine_core_processes
+from tests.ray_metrics import scrape, total
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,36 +45,40 @@ def app(tiny_model_dir):
 
 
 def run_stream(base_url: str, path: str, extra: dict, progress: list | None = None,
-               started: Future | None = None) -> dict:
-    """One temperature-0 stream read to its end: its text, token ids (when asked), usage, ids, errors, replica."""
+               started: Future | None = None, gate: threading.Barrier | None = None) -> dict:
+    """One temperature-0 stream read to its end: its text, token ids (when asked), usage, ids, errors, replica.
+    `progress` gets each event's line as it comes (parsed after the end: four threads parsing 3,000 events each
+    starve one another on 2 cores); `gate`: the streams' threads send together once each has its client (CI: a
+    thread still making its client sent its request seconds after the others)."""
     body = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
-    seen = {"text": "", "ids": [], "usage": None, "errors": [], "chunk_ids": set(), "done": False, "events": 0,
-            "sent": time.monotonic()}
+    seen = {"text": "", "ids": [], "usage": None, "errors": [], "chunk_ids": set(), "done": False, "events": 0}
+    lines = progress if progress is not None else []
     with httpx.Client(base_url=base_url, timeout=httpx.Timeout(120, connect=10)) as client:
+        if gate is not None:
+            gate.wait(60)
         with client.stream("POST", path, json=body) as r:
             seen["replica"] = r.headers.get("x-summit-replica")
             if started is not None:
                 started.set_result(seen["replica"])
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    seen["done"] = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        seen["errors"].append(chunk["error"])
-                        continue
-                    seen["chunk_ids"].add(chunk["id"])
-                    seen["usage"] = chunk.get("usage") or seen["usage"]
-                    for choice in chunk["choices"]:
-                        seen["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                        seen["ids"] += choice.get("token_ids") or []
-                    seen["events"] += 1
-                    seen.setdefault("first", time.monotonic() - seen["sent"])
-                    if progress is not None:
-                        progress.append(1)
-    seen["last"] = time.monotonic() - seen["sent"]
+                if line.startswith("data: "):
+                    lines.append(line)
+    for line in lines:
+        if line == "data: [DONE]":
+            seen["done"] = True
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            seen["errors"].append(chunk["error"])
+            continue
+        seen["chunk_ids"].add(chunk["id"])
+        seen["usage"] = chunk.get("usage") or seen["usage"]
+        for choice in chunk["choices"]:
+            seen["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            seen["ids"] += choice.get("token_ids") or []
+        seen["events"] += 1
     return seen
 
 
@@ -83,20 +88,27 @@ def test_streams_resume_on_another_replica_token_for_token(app):
         reference = {name: f.result(timeout=600) for name, f in reference.items()}
     assert all(r["usage"]["completion_tokens"] == TOKENS and not r["errors"] for r in reference.values())
 
+    # the victim's engine processes are found before the streams start: Ray's state API takes seconds on 2 cores,
+    # and the tiny engine writes 3,000 tokens in about as many (CI: every stream had ended before the strike)
     host, port = replica_ports(app)[0]
+    probe = httpx.post(f"http://{host}:{port}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "Which replica?", "max_tokens": 1})
+    assert probe.status_code == 200, probe.text
+    victim = probe.headers["x-summit-replica"]
+    actor = next(a for a in app.alive_actors() if a["class_name"].endswith(POOL) and a["name"].endswith(victim))
+    cores = engine_core_processes(actor["pid"])
+    assert cores
+    migrations_before = migrations(app)
     progress: dict[str, list] = {name: [] for name in CASES}
     started: dict[str, Future] = {name: Future() for name in CASES}
+    gate = threading.Barrier(len(CASES))
     with ThreadPoolExecutor(len(CASES)) as pool:
-        futures = {name: pool.submit(run_stream, f"http://{host}:{port}", path, extra, progress[name], started[name])
+        futures = {name: pool.submit(run_stream, f"http://{host}:{port}", path, extra, progress[name], started[name],
+                                     gate)
                    for name, (path, extra) in CASES.items()}
-        victim = {f.result(timeout=120) for f in started.values()}
-        assert len(victim) == 1, victim  # one replica's own port
-        victim = victim.pop()
-        actor = next(a for a in app.alive_actors() if a["class_name"].endswith(POOL) and a["name"].endswith(victim))
-        cores = engine_core_processes(actor["pid"])
-        assert cores
+        assert {f.result(timeout=120) for f in started.values()} == {victim}  # one replica's own port
         # strike once every stream is under way and none near its end
-        assert wait_for(lambda: all(len(p) >= 40 for p in progress.values()), 120, 0.05)
+        assert wait_for(lambda: all(len(p) >= 40 for p in progress.values()), 120, 0.02)
         at_kill = {name: len(p) for name, p in progress.items()}
         for proc in cores:
             proc.kill()
@@ -111,6 +123,12 @@ def test_streams_resume_on_another_replica_token_for_token(app):
         if ref["ids"]:
             assert len(seen["ids"]) == TOKENS and seen["ids"] == ref["ids"], name
         assert seen["text"] == ref["text"], name
+    # each stream went on from another replica (not merely ended before the strike: the client may read behind)
+    assert wait_for(lambda: migrations(app) - migrations_before == len(CASES), 30, 1), migrations(app)
+
+
+def migrations(cluster) -> float:
+    return total(scrape(cluster), "ray_summit_stream_migrations_total", model=MODEL, outcome="resumed")
 
 
 def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
@@ -149,6 +167,18 @@ def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
                     ids += choice.get("token_ids") or []
         return text, ids
 
+    async def one_token_a_chunk(app, path: str, payload: dict) -> tuple[list[bytes], list[bytes]]:
+        """The stream without and with token ids, each chunk one token: vLLM merges the tokens of a consumer that
+        falls behind into one chunk (CI: a cold first request got all 60 tokens in its first chunk), and the
+        comparison chunk by chunk needs both streams cut alike."""
+        for _ in range(5):
+            plain = await events(app, path, payload)
+            with_ids = await events(app, path, {**payload, "return_token_ids": True})
+            per_chunk = [n for n in (len(texts([e])[1]) for e in with_ids) if n]
+            if len(plain) == len(with_ids) and per_chunk == [1] * payload["max_tokens"]:
+                return plain, with_ids
+        raise AssertionError(f"no stream of one token a chunk in 5 tries: {len(plain)}, {len(with_ids)}, {per_chunk}")
+
     async def run() -> None:
         args = vllm_adapter.serve_namespace(str(model), "m", kwargs, {})
         engine_app = await vllm_adapter.start_engine_app(args, metrics=False)
@@ -157,8 +187,7 @@ def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
                                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}]})):
                 payload = {"model": "m", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True,
                            "stream_options": {"include_usage": True}, **extra}
-                plain = await events(engine_app.app, path, payload)
-                with_ids = await events(engine_app.app, path, {**payload, "return_token_ids": True})
+                plain, with_ids = await one_token_a_chunk(engine_app.app, path, payload)
                 _, uncut_ids = texts(with_ids)
                 n = len(with_ids)  # ... the last token's chunk, the usage chunk, [DONE]
                 for cut in (1, 7, n // 2, n - 3):
