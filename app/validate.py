@@ -121,13 +121,36 @@ def check_memory(m: ModelConfig, hw: Hardware, env: dict[str, str]) -> tuple[str
             f"{use.kv / planner.GiB:.1f} GiB (max_model_len {tokens:,}) of {use.room / planner.GiB:.1f} GiB per GPU")
     if use.shortfall == 0:
         return line, None
-    per_token = planner.per_gpu(shape, dtype, kv, 1, tp, pp, budget).kv
-    fits_tokens = max(0, int((use.room - use.weights) // per_token))
-    layout = planner.suggest_layout(shape, dtype, kv, tokens, budget, hw.gpus_per_node)
-    fix = f"tensor_parallel_size {layout.tp} × pipeline_parallel_size {layout.pp}" if layout else "a larger GPU"
     return line, (f"model {m.name!r} does not fit a {hw.gpu} at TP {tp} × PP {pp}: short by "
-                  f"{use.shortfall / planner.GiB:.1f} GiB per GPU. Fix: use {fix} (`summit plan`), lower "
-                  f"engine_kwargs.max_model_len to {fits_tokens:,} or less, or quantize (quantization: fp8)")
+                  f"{use.shortfall / planner.GiB:.1f} GiB per GPU. {advice(shape, dtype, kv, tokens, budget, hw, m)}")
+
+
+# the shortest context worth suggesting: below it a lower max_model_len is no fix
+MIN_CONTEXT = 2048
+
+
+def advice(shape: planner.ModelShape, dtype: str, kv: str, tokens: int, budget: planner.Budget, hw: Hardware,
+           m: ModelConfig) -> str:
+    """"Fix: ..." naming only changes that would each fit on their own: a layout the cluster has the GPUs for, a
+    context of at least MIN_CONTEXT tokens, a quantization (weights fp8, then KV fp8) the config does not have yet."""
+    tp, pp = m.tensor_parallel_size, m.pipeline_parallel_size
+    fixes = []
+    layout = planner.suggest_layout(shape, dtype, kv, tokens, budget, hw.gpus_per_node)
+    if layout and layout.tp * layout.pp <= hw.gpus_per_node * hw.nodes and (layout.tp, layout.pp) != (tp, pp):
+        fixes.append(f"use tensor_parallel_size {layout.tp} × pipeline_parallel_size {layout.pp} (`summit plan`)")
+    use = planner.per_gpu(shape, dtype, kv, tokens, tp, pp, budget)
+    per_token = planner.per_gpu(shape, dtype, kv, 1, tp, pp, budget).kv
+    fits_tokens = int((use.room - use.weights) // per_token) if use.room > use.weights else 0
+    if fits_tokens >= MIN_CONTEXT:
+        fixes.append(f"lower engine_kwargs.max_model_len to {fits_tokens:,} or less")
+    if dtype in ("bf16", "fp16", "fp32") and planner.per_gpu(shape, "fp8", kv, tokens, tp, pp, budget).shortfall == 0:
+        fixes.append("quantize the weights (engine_kwargs.quantization: fp8)")
+    elif kv != "fp8" and planner.per_gpu(shape, dtype, "fp8", tokens, tp, pp, budget).shortfall == 0:
+        fixes.append("store the KV cache in fp8 (engine_kwargs.kv_cache_dtype: fp8)")
+    if not fixes:
+        return (f"No change to this config fits {hw.describe()}: it needs more GPUs or GPUs with more memory "
+                f"(`summit plan --model {m.model_preset or 'MODEL'} --gpu GPU` sizes it)")
+    return "Fix: " + (", ".join(fixes[:-1]) + ", or " + fixes[-1] if len(fixes) > 1 else fixes[0])
 
 
 def check_cluster(demands: list[tuple[str, PlacementPlan]], hw: Hardware) -> str | None:

@@ -17,6 +17,8 @@ GPU_CONFIGS = {  # file → the hardware it is written for: (gpu, gpus per node,
     "llama70b.yaml": ("h100-80gb", 8, 1),
     "llama405b.yaml": ("h100-80gb", 8, 2),
     "llama405b-fp8.yaml": ("h100-80gb", 8, 1),
+    "llama8b-fp8.yaml": ("h100-80gb", 8, 1),
+    "llama70b-fp8.yaml": ("h100-80gb", 8, 1),
 }
 
 
@@ -59,18 +61,45 @@ def test_summit_validate_accepts_each_config_on_its_hardware(name, hardware):
 def test_intended_layouts():
     m = {n: SummitConfig.model_validate(load(n)["applications"][0]["args"]).models[0] for n in GPU_CONFIGS}
     layout = {n: (x.tensor_parallel_size, x.pipeline_parallel_size) for n, x in m.items()}
-    assert layout == {"llama8b.yaml": (1, 1), "llama70b.yaml": (4, 1), "llama405b.yaml": (8, 2), "llama405b-fp8.yaml": (8, 1)}
-    assert m["llama405b-fp8.yaml"].engine_kwargs["quantization"] == "fp8"
+    assert layout == {"llama8b.yaml": (1, 1), "llama70b.yaml": (4, 1), "llama405b.yaml": (8, 2), "llama405b-fp8.yaml": (8, 1),
+                      "llama8b-fp8.yaml": (1, 1), "llama70b-fp8.yaml": (2, 1)}
+    assert all(m[n].engine_kwargs["quantization"] == "fp8" for n in GPU_CONFIGS if "fp8" in n)
+    assert [n for n in GPU_CONFIGS if m[n].engine_kwargs.get("kv_cache_dtype") == "fp8"] == ["llama8b-fp8.yaml",
+                                                                                           "llama70b-fp8.yaml"]
 
 
-def test_70b_tp2_fits_h200_but_not_h100():
-    doc = with_model(load("llama70b.yaml"), tensor_parallel_size=2)
-    assert validate_doc(doc, Hardware("h200-141gb", 8, 1), env={}).ok
-    report = validate_doc(doc, Hardware("h100-80gb", 8, 1), env={})
-    assert not report.ok
-    text = " ".join(report.problems)
-    assert "'llama-3.1-70b'" in text and "short by 16.2 GiB per GPU" in text
-    assert "tensor_parallel_size 4" in text and "engine_kwargs.max_model_len" in text
+def test_fp8_halves_what_validate_counts():
+    out = {n: validate_file(CONFIGS / n, Hardware("h100-80gb", 8, 1), env={}).lines[0]
+           for n in ("llama70b.yaml", "llama70b-fp8.yaml")}
+    assert "TP 4 × PP 1, bf16 weights 32.9 GiB + bf16 KV 10.0 GiB" in out["llama70b.yaml"]  # 131.6 and 40 GiB in all
+    assert "TP 2 × PP 1, fp8 weights 33.8 GiB + fp8 KV 10.0 GiB" in out["llama70b-fp8.yaml"]  # 67.6 and 20 GiB
+
+
+def test_405b_fp8_on_two_a100_40gb_nodes_is_told_the_seeds_layout_only():
+    """The seeds ran 405B FP8 at TP 8 × PP 2 on 16 A100-40GB. Advice names only changes that fit: not a context of 0
+    tokens (the weights alone do not fit TP 8), not the fp8 quantization the config has."""
+    a100 = Hardware("a100-40gb", 8, 2)
+    report = validate_file(CONFIGS / "llama405b-fp8.yaml", a100, env={})
+    (problem,) = report.problems
+    assert problem.endswith("Fix: use tensor_parallel_size 8 × pipeline_parallel_size 2 (`summit plan`)"), problem
+    assert validate_doc(with_model(load("llama405b-fp8.yaml"), pipeline_parallel_size=2), a100, env={}).ok
+    (problem,) = validate_file(CONFIGS / "llama405b-fp8.yaml", Hardware("a100-40gb", 8, 1), env={}).problems
+    assert "No change to this config fits 1 node × 8 a100-40gb" in problem and "pipeline" not in problem
+
+
+def test_each_fix_named_fits_on_its_own():
+    """fp8 weights at TP 2 with 60 % of an H100 and a bf16 KV cache: short; each of the three fixes named fits."""
+    engine = {"dtype": "bfloat16", "quantization": "fp8", "max_model_len": 131072, "max_num_seqs": 256,
+              "gpu_memory_utilization": 0.6}
+    doc, h100 = with_model(load("llama70b-fp8.yaml"), engine_kwargs=engine), Hardware("h100-80gb", 8, 1)
+    (problem,) = validate_doc(doc, h100, env={}).problems
+    assert problem.endswith("Fix: use tensor_parallel_size 4 × pipeline_parallel_size 1 (`summit plan`), lower "
+                            "engine_kwargs.max_model_len to 77,138 or less, or store the KV cache in fp8 "
+                            "(engine_kwargs.kv_cache_dtype: fp8)"), problem  # not the fp8 quantization it has
+    assert validate_doc(with_model(doc, tensor_parallel_size=4), h100, env={}).ok
+    assert validate_doc(with_model(doc, engine_kwargs={**engine, "max_model_len": 77138}), h100, env={}).ok
+    assert not validate_doc(with_model(doc, engine_kwargs={**engine, "max_model_len": 77138 + 512}), h100, env={}).ok
+    assert validate_doc(with_model(doc, engine_kwargs={**engine, "kv_cache_dtype": "fp8"}), h100, env={}).ok
 
 
 def test_405b_bf16_on_one_node_is_short_of_gpus():
