@@ -9,9 +9,9 @@ once the busy replica answers its load probe, seconds later on 2 cores, when the
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
 
 import httpx
 import pytest
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(900)
 
 MODEL = "tiny-migrate"
 POOL = f"LLMServer:{MODEL}"
-TOKENS = 3000
+TOKENS = 6000  # seconds of streaming on the tiny engine: the strike lands well before any stream ends
 CASES = {
     "completion+ids": ("/v1/completions", {"prompt": "The summit ridge in winter", "return_token_ids": True}),
     "completion": ("/v1/completions", {"prompt": "A long descent from the col"}),
@@ -37,34 +37,41 @@ CASES = {
 @pytest.fixture(scope="module")
 def app(tiny_model_dir):
     # KV for every stream at once (≈ 2 KiB a token): with less, vLLM queues the later streams behind the first
-    model = tiny_model(MODEL, {"max_model_len": 4096, "max_num_seqs": 32, "kv_cache_memory_bytes": 256 << 20},
+    model = tiny_model(MODEL, {"max_model_len": 8192, "max_num_seqs": 32, "kv_cache_memory_bytes": 256 << 20},
                        {"num_replicas": 2, "graceful_shutdown_timeout_s": 60})
     with deployed([model], tiny_model_dir, haproxy=True) as cluster:
         assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 2, 240, 1)
         yield cluster
 
 
-def run_stream(base_url: str, path: str, extra: dict, progress: list | None = None,
-               started: Future | None = None, gate: threading.Barrier | None = None) -> dict:
-    """One temperature-0 stream read to its end: its text, token ids (when asked), usage, ids, errors, replica.
-    `progress` gets each event's line as it comes (parsed after the end: four threads parsing 3,000 events each
-    starve one another on 2 cores); `gate`: the streams' threads send together once each has its client (CI: a
-    thread still making its client sent its request seconds after the others)."""
-    body = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
-    seen = {"text": "", "ids": [], "usage": None, "errors": [], "chunk_ids": set(), "done": False, "events": 0}
-    lines = progress if progress is not None else []
-    with httpx.Client(base_url=base_url, timeout=httpx.Timeout(120, connect=10)) as client:
-        if gate is not None:
-            gate.wait(60)
-        with client.stream("POST", path, json=body) as r:
-            seen["replica"] = r.headers.get("x-summit-replica")
-            if started is not None:
-                started.set_result(seen["replica"])
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
+async def run_streams(base_url: str, strike=None) -> dict[str, dict]:
+    """The four temperature-0 streams of CASES at once, each read to its end: text, token ids (when asked), usage,
+    ids, errors, replica. One event loop reads them all (fair: with a thread each, on 2 cores, CI saw one stream's
+    reader 2,500 events ahead of another's); lines are parsed after the end. `strike(progress)`, when given, runs
+    beside the streams with each stream's lines so far."""
+    progress: dict[str, list[str]] = {name: [] for name in CASES}
+    replicas: dict[str, str | None] = {}
+
+    async def one(client: httpx.AsyncClient, name: str, path: str, extra: dict) -> None:
+        body = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}
+        async with client.stream("POST", path, json=body) as r:
+            replicas[name] = r.headers.get("x-summit-replica")
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
                 if line.startswith("data: "):
-                    lines.append(line)
+                    progress[name].append(line)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(120, connect=10)) as client:
+        streams = [asyncio.create_task(one(client, name, path, extra)) for name, (path, extra) in CASES.items()]
+        if strike is not None:
+            await strike(progress)
+        await asyncio.gather(*streams)
+    return {name: {**parsed(progress[name]), "replica": replicas[name]} for name in CASES}
+
+
+def parsed(lines: list[str]) -> dict:
+    seen = {"text": "", "ids": [], "usage": None, "errors": [], "chunk_ids": set(), "done": False, "events": 0}
     for line in lines:
         if line == "data: [DONE]":
             seen["done"] = True
@@ -83,13 +90,10 @@ def run_stream(base_url: str, path: str, extra: dict, progress: list | None = No
 
 
 def test_streams_resume_on_another_replica_token_for_token(app):
-    with ThreadPoolExecutor(len(CASES)) as pool:
-        reference = {name: pool.submit(run_stream, app.base_url, path, extra) for name, (path, extra) in CASES.items()}
-        reference = {name: f.result(timeout=600) for name, f in reference.items()}
+    reference = asyncio.run(run_streams(app.base_url))
     assert all(r["usage"]["completion_tokens"] == TOKENS and not r["errors"] for r in reference.values())
 
-    # the victim's engine processes are found before the streams start: Ray's state API takes seconds on 2 cores,
-    # and the tiny engine writes 3,000 tokens in about as many (CI: every stream had ended before the strike)
+    # the victim's engine processes are found before the streams start: Ray's state API takes seconds on 2 cores
     host, port = replica_ports(app)[0]
     probe = httpx.post(f"http://{host}:{port}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "Which replica?", "max_tokens": 1})
@@ -99,23 +103,22 @@ def test_streams_resume_on_another_replica_token_for_token(app):
     cores = engine_core_processes(actor["pid"])
     assert cores
     migrations_before = migrations(app)
-    progress: dict[str, list] = {name: [] for name in CASES}
-    started: dict[str, Future] = {name: Future() for name in CASES}
-    gate = threading.Barrier(len(CASES))
-    with ThreadPoolExecutor(len(CASES)) as pool:
-        futures = {name: pool.submit(run_stream, f"http://{host}:{port}", path, extra, progress[name], started[name],
-                                     gate)
-                   for name, (path, extra) in CASES.items()}
-        assert {f.result(timeout=120) for f in started.values()} == {victim}  # one replica's own port
-        # strike once every stream is under way and none near its end
-        assert wait_for(lambda: all(len(p) >= 40 for p in progress.values()), 120, 0.02)
-        at_kill = {name: len(p) for name, p in progress.items()}
+    at_kill: dict[str, int] = {}
+
+    async def strike(progress: dict[str, list]) -> None:  # once every stream is under way and none near its end
+        deadline = time.monotonic() + 120
+        while not all(len(p) >= 40 for p in progress.values()):
+            assert time.monotonic() < deadline, {name: len(p) for name, p in progress.items()}
+            await asyncio.sleep(0.01)
+        at_kill.update({name: len(p) for name, p in progress.items()})
         for proc in cores:
             proc.kill()
-        migrated = {name: f.result(timeout=600) for name, f in futures.items()}
+
+    migrated = asyncio.run(run_streams(f"http://{host}:{port}", strike))
 
     for name, seen in migrated.items():
         ref = reference[name]
+        assert seen["replica"] == victim, (name, seen["replica"], victim)  # one replica's own port
         assert at_kill[name] < ref["events"] - 10, (name, at_kill, ref["events"])
         assert not seen["errors"] and seen["done"], (name, seen["errors"])
         assert len(seen["chunk_ids"]) == 1, f"{name}: one stream id throughout, got {seen['chunk_ids']}"
