@@ -197,9 +197,21 @@ def frontend_arg_names() -> frozenset[str]:
 
 
 def serve_namespace(source: str, served_name: str, engine_kwargs: dict, frontend_kwargs: dict) -> Namespace:
-    """The argparse namespace `vllm serve` would build for these settings."""
-    args = _serve_parser().parse_args([])
+    """The argparse namespace `vllm serve` would build for these settings. A mapping is parsed as the command line
+    parses its JSON (`--structured-outputs-config '{...}'` becomes vLLM's config object): vLLM's OpenAI app reads
+    some of them from the namespace as objects (a dict there failed: `'dict' object has no attribute
+    'reasoning_parser'`)."""
+    import json
+
+    parser = _serve_parser()
+    args = parser.parse_args([])
+    types = {a.dest: a.type for a in parser._actions if callable(a.type)}
     for key, value in {**frontend_kwargs, **engine_kwargs}.items():
+        if isinstance(value, dict) and key in types:
+            try:
+                value = types[key](json.dumps(value))
+            except Exception:  # noqa: BLE001 — vLLM's engine args take the mapping as it is
+                pass
         setattr(args, key, value)
     args.model = source
     args.served_model_name = [served_name]
@@ -411,3 +423,36 @@ def output_detokenizer(engine, prompt_ids: list[int], generated: list[int], skip
         return detokenizer.get_next_output_text(stop_terminated, True)
 
     return text
+
+
+# --- LoRA adapters, loaded into a running engine's OpenAI app (deployments/adapters.py) --------------------------
+
+
+def _lora_requests():
+    try:  # vLLM >= 0.27
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+    return LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+
+async def load_adapter(engine_app: EngineApp, name: str, path: str, base_model: str) -> str | None:
+    """Load a LoRA adapter into the engine and make `name` a model of vLLM's OpenAI app (vLLM's own
+    /v1/load_lora_adapter, called in-process); the error message, or None once loaded."""
+    load, _ = _lora_requests()
+    result = await engine_app.app.state.openai_serving_models.load_lora_adapter(
+        load(lora_name=name, lora_path=path), base_model_name=base_model)
+    if isinstance(result, str):
+        return None
+    error = getattr(result, "error", result)
+    return getattr(error, "message", None) or str(error)
+
+
+async def unload_adapter(engine_app: EngineApp, name: str) -> None:
+    """Forget `name` in vLLM's OpenAI app and drop its weights from the engine (vLLM's endpoint does only the first)."""
+    _, unload = _lora_requests()
+    models = engine_app.app.state.openai_serving_models
+    known = models.lora_requests.get(name)
+    await models.unload_lora_adapter(unload(lora_name=name))
+    if known is not None:
+        await engine_app.engine.remove_lora(known.lora_int_id)

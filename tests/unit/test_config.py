@@ -182,3 +182,15 @@ def test_build_refuses_a_model_the_cluster_cannot_place_naming_model_and_resourc
 def test_placement_wait_is_a_checked_top_level_key():
     assert SummitConfig.model_validate({"models": [model()]}).placement_wait_s == 1800
     assert "placement_wait_s" in error_text({"models": [model()], "placement_wait_s": -5})
+
+
+def test_a_config_mapping_in_engine_kwargs_reaches_vllm_as_its_config_object():
+    """As `vllm serve --structured-outputs-config '{...}'` parses it (vLLM's OpenAI app reads its fields)."""
+    from deployments import vllm_adapter
+
+    args = vllm_adapter.serve_namespace("/m", "m", {"structured_outputs_config": {"backend": "xgrammar",
+                                                                                  "disable_any_whitespace": True},
+                                                    "max_model_len": 2048}, {})
+    assert args.structured_outputs_config.disable_any_whitespace is True
+    assert args.structured_outputs_config.reasoning_parser == ""
+    assert args.max_model_len == 2048
