@@ -95,7 +95,7 @@ def build_app(args: dict[str, Any]) -> Application:
         models = [(m, m.resolved_source()) for m in serving]
         engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(serving))
         engines_app = engines.bind(models, config.auth, prefill, batch_api, config.monitoring, limiter)
-        if len(models) == 1 and config.models[0].routing.policy == "least_load":
+        if len(models) == 1 and config.models[0].routing.policy == "least_load" and not config.models[0].lora:
             return engines_app  # HAProxy's own choice (leastconn) is least-load: no routing call per request
         picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines_app)
         return engines_app._with_ingress_request_router(picker)
@@ -106,15 +106,17 @@ def build_app(args: dict[str, Any]) -> Application:
         for m in serving
     }
     ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))
-    return ingress.bind(servers, config.auth, batch_api, limiter)
+    return ingress.bind(servers, config.auth, batch_api, limiter, {a: m.name for m in serving for a in m.adapter_names})
 
 
 def engine_deployment_names(config: SummitConfig, path: str) -> dict[str, str]:
     """Each served model's engine deployment (the decode pool of a disaggregated one) on a request path."""
     serving = serving_models(config.models)
     if path == "direct":
-        return {m.name: engine_pool_options(serving)["name"] for m in serving}
-    return {m.name: llm_deployment_options(m)["name"] for m in serving}
+        names = {m.name: engine_pool_options(serving)["name"] for m in serving}
+    else:
+        names = {m.name: llm_deployment_options(m)["name"] for m in serving}
+    return {**names, **{a: names[m.name] for m in serving for a in m.adapter_names}}  # an adapter: its model's
 
 
 def batch_app(config: SummitConfig, engine_names: dict[str, str]) -> Application | None:
@@ -123,7 +125,8 @@ def batch_app(config: SummitConfig, engine_names: dict[str, str]) -> Application
     if config.batch is None:
         return None
     options = config.batch.model_dump()
-    priority = [m.name for m in config.models if m.engine_kwargs.get("scheduling_policy") == "priority"]
+    priority = [n for m in config.models if m.engine_kwargs.get("scheduling_policy") == "priority"
+                for n in [m.name, *m.adapter_names]]
     runner = serve.deployment(BatchRunner).options(**batch_runner_options()).bind(
         options, engine_names, priority, BATCH_API_OPTIONS["name"])
     return serve.deployment(BatchAPI).options(**BATCH_API_OPTIONS).bind(options, runner)

@@ -11,7 +11,14 @@ DEFAULT_TINY_MODEL = "~/.cache/summit/models/tiny-llama"
 def _make_tiny_model(ns: argparse.Namespace) -> int:
     from app.tiny_model import make_tiny_model
 
-    print(make_tiny_model(ns.dir, seed=ns.seed, hidden_size=ns.hidden_size))
+    print(make_tiny_model(ns.dir, seed=ns.seed, hidden_size=ns.hidden_size, arch=ns.arch))
+    return 0
+
+
+def _make_tiny_lora(ns: argparse.Namespace) -> int:
+    from app.lora import make_tiny_lora
+
+    print(make_tiny_lora(ns.base, ns.dir, seed=ns.seed, rank=ns.rank))
     return 0
 
 
@@ -149,7 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", nargs="?", default=DEFAULT_TINY_MODEL)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=128, help="256 for GPUs (head_dim 64 for FlashAttention)")
+    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "mixtral"],
+                   help="the model family's config and weight names (mixtral: 4 experts, 2 a token)")
     p.set_defaults(func=_make_tiny_model)
+
+    p = sub.add_parser("make-tiny-lora", help="write a random LoRA adapter (PEFT format) for the tiny model to DIR")
+    p.add_argument("dir")
+    p.add_argument("--base", default=DEFAULT_TINY_MODEL, help="the tiny model's directory (its shapes)")
+    p.add_argument("--seed", type=int, default=1, help="another seed, another adapter")
+    p.add_argument("--rank", type=int, default=8)
+    p.set_defaults(func=_make_tiny_lora)
 
     p = sub.add_parser("make-model-config", help="write a real-shape config.json + tokenizer (for load_format: dummy)")
     p.add_argument("preset", help="llama-3.1-8b | llama-3.1-70b | llama-3.1-405b (or 8b, 70b, 405b)")

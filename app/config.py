@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from app.batch.options import BatchOptions
+from app.lora import LORA_ENGINE_KEYS, LoraOptions
 from app.monitoring import MonitoringOptions
 
 _ENV_REF = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
@@ -154,6 +155,8 @@ class ModelConfig(_Strict):
     )
     disaggregation: DisaggregationOptions | None = Field(
         None, description="Prefill/decode disaggregation over a vLLM KV connector (README: Disaggregated prefill).")
+    lora: LoraOptions | None = Field(None, description="LoRA adapters served on this model, each an OpenAI `model` "
+                                     "name (README: LoRA adapters).")
     model_preset: str | None = Field(
         None, description="Architecture preset (llama-3.1-8b/70b/405b) that `summit validate` sizes when the checkpoint's "
         "config.json is not readable where it runs. Not used to load the model."
@@ -213,7 +216,22 @@ class ModelConfig(_Strict):
         """What vLLM is started with (the adapter adds the parallel sizes, executor and GPU safety settings)."""
         from deployments.vllm_adapter import engine_kwargs
 
-        return engine_kwargs(self.engine_kwargs, self.accelerator, self.tensor_parallel_size, self.pipeline_parallel_size)
+        given = {**self.engine_kwargs, **(self.lora.engine_kwargs() if self.lora else {})}
+        return engine_kwargs(given, self.accelerator, self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return [a.name for a in self.lora.adapters] if self.lora else []
+
+    @model_validator(mode="after")
+    def _lora_in_one_place(self) -> ModelConfig:
+        if set(self.engine_kwargs) & set(LORA_ENGINE_KEYS):
+            key = sorted(set(self.engine_kwargs) & set(LORA_ENGINE_KEYS))[0]
+            raise ValueError(f"model {self.name!r}: engine_kwargs.{key}: LoRA is set with the model's `lora:` key "
+                             "(adapters, max_loras, max_lora_rank); remove it from engine_kwargs")
+        if self.lora and self.disaggregation:
+            raise ValueError(f"model {self.name!r}: `lora` and `disaggregation` together are not supported; remove one")
+        return self
 
     @model_validator(mode="after")
     def _gpu_engine_kwargs_safe(self) -> ModelConfig:
@@ -389,8 +407,8 @@ class SummitConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_names(self) -> SummitConfig:
-        names = [m.name for m in self.models]
+        names = [n for m in self.models for n in [m.name, *m.adapter_names]]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"models[].name must be unique; repeated: {', '.join(dupes)}")
+            raise ValueError(f"models[].name and lora.adapters[].name must be unique; repeated: {', '.join(dupes)}")
         return self

@@ -87,8 +87,12 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = d.num_replicas
-    # least_load adds nothing (Serve's default router); the other policies name a Summit router and its kwargs.
-    options.update(request_router_options(model.routing.policy, **model.routing.model_dump(exclude={"policy"})))
+    # least_load adds nothing (Serve's default router); the other policies name a Summit router and its kwargs. A model
+    # with LoRA adapters always has Summit's router, which reads the adapters each replica has loaded.
+    if model.lora:
+        options.update(pool_router_options({model.name: model.routing.model_dump()}))
+    else:
+        options.update(request_router_options(model.routing.policy, **model.routing.model_dump(exclude={"policy"})))
     return options
 
 

@@ -204,3 +204,17 @@ def session_affinity(table: AffinityTable, key: str, loads: Loads) -> str:
     best = least_loaded(loads, table.owned(), key)
     table.assign(key, best)
     return best
+
+
+def adapter_affinity(adapter: str, loads: Loads, holders: set[str], imbalance: int = DEFAULT_IMBALANCE) -> tuple[str, str]:
+    """(replica, outcome) for a LoRA adapter's request: the least-loaded replica that has the adapter loaded (`hit`),
+    unless it has more than `imbalance` ongoing requests above the least-loaded replica (`spill`: that one loads it
+    too); when none has it, the least-loaded replica (`new`; ties by a hash of the adapter, so that routers agree)."""
+    best = least_loaded(loads, key=adapter)
+    holding = {r: n for r, n in loads.items() if r in holders}
+    if not holding:
+        return best, "new"
+    owner = least_loaded(holding, key=adapter)
+    if holding[owner] - loads[best] <= imbalance:
+        return owner, "hit"
+    return best, "spill"

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from deployments.adapters import AdapterLoadError, Adapters
 from deployments.asgi_bridge import header, lifespan, read_body, send_json, send_plain
 from deployments.auth import authorized, unauthorized
 from deployments.errors import error_body, error_response, openai_error_bytes, request_problem
@@ -71,6 +72,10 @@ class ReplicaFront:
         self._batch_api = batch_api
         self.model = model
         self._models = list(models)
+        # LoRA adapters (app/lora.py): each adapter of the application's models -> its base model, and this replica's
+        # own adapters, loaded on first use (deployments/adapters.py); set by LLMServer
+        self.base_of: dict[str, str] = {}
+        self.adapters: Adapters | None = None
         self._keys = keys
         self._openapi: dict | None = None
         self._engine_dead = engine_dead
@@ -136,7 +141,7 @@ class ReplicaFront:
             await error_response(413, f"the request body is larger than {MAX_REQUEST_BYTES >> 20} MiB")(scope, receive, send)
             return
         try:
-            name, payload = model_and_payload(body, self._models)
+            name, payload = model_and_payload(body, self._models + list(self.base_of))
         except BadModel as e:
             await error_response(e.status, str(e), param=e.param)(scope, receive, send)
             return
@@ -144,7 +149,8 @@ class ReplicaFront:
             if refusal := await self.limits.refusal(owner_of(authorization), path, payload):
                 await refusal(scope, receive, send)
                 return
-        if name != self.model:  # a body cut at HAProxy's buffer, or a stale route: hand it to its model's replica
+        if self.base_of.get(name, name) != self.model:  # a body cut at HAProxy's buffer, or a stale route: hand it to
+            # its model's replica
             await self._to_other_replica(name, scope, headers, body, receive, send)
             return
         if self._engine_dead():
@@ -171,6 +177,21 @@ class ReplicaFront:
 
     async def _serve(self, scope, headers, body: bytes, receive, send, watch: RequestWatch | None = None,
                      payload: dict | None = None) -> None:
+        adapter = (payload or {}).get("model")
+        if self.adapters is None or adapter not in self.adapters.paths:
+            await self._serve_model(scope, headers, body, receive, send, watch, payload)
+            return
+        try:  # one of this model's LoRA adapters: loaded into the engine while the request runs
+            async with self.adapters.use(adapter):
+                await self._serve_model(scope, headers, body, receive, send, watch, payload)
+        except AdapterLoadError as e:  # the YAML's adapter, not the request, is at fault
+            logger.error("%s", e)
+            await error_response(500, str(e))(scope, receive, send)
+            if watch is not None:
+                watch.end()
+
+    async def _serve_model(self, scope, headers, body: bytes, receive, send, watch: RequestWatch | None = None,
+                           payload: dict | None = None) -> None:
         if self.disaggregated is not None and scope["path"] in PD_ROUTES:
             payload = None  # the decode engine runs another body (not resumed elsewhere)
             started_ns = time.time_ns()
@@ -226,7 +247,8 @@ class ReplicaFront:
         resume: Resumable | None = None  # a stream that goes on elsewhere if this engine dies (deployments/migration.py)
         if self.migration != "off" and payload is not None and self.resume_to is not None and not resumable(
                 scope["path"], payload, self.migration, self.chat_parsers):
-            resume = Resumable(scope["path"], payload, self.model, client_id, self.detokenizer, self._replica_id)
+            resume = Resumable(scope["path"], payload, payload.get("model") or self.model, client_id, self.detokenizer,
+                               self._replica_id)
             body = resume.engine_body()
         engine_headers = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST_HEADERS]
         engine_headers += [(REQUEST_ID_HEADER, client_id + b"-" + uuid.uuid4().hex[:8].encode()),
@@ -373,12 +395,14 @@ class ReplicaFront:
 
         await self._app({**scope, "headers": [(k, v) for k, v in scope.get("headers") or [] if k != b"authorization"]},
                         receive, capture)
-        if captured.get("status") == 200:
-            own = json.loads(b"".join(captured["body"]))["data"]
+        if captured.get("status") == 200:  # vLLM's lists the adapters this replica has loaded: Summit's lists them all
+            own = [m for m in json.loads(b"".join(captured["body"]))["data"] if m.get("id") == self.model]
         others = [m for m in self._models if m != self.model]
         if self._model_ready is not None:  # a model is listed once one of its replicas has started (and warmed up)
             ready = await asyncio.gather(*(self._model_ready(m) for m in others))
             others = [m for m, ok in zip(others, ready) if ok]
+        listed = {self.model, *others}
+        others += [a for a, base in self.base_of.items() if base in listed]
         data = own + [self._cards.get(m, {"id": m, "object": "model", "owned_by": "summit"}) for m in others]
         await send_json(send, 200, {"object": "list", "data": data})
 

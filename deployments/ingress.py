@@ -56,8 +56,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, servers: dict[str, DeploymentHandle], auth: AuthOptions | None = None,
-                 batch_api: DeploymentHandle | None = None, limiter: DeploymentHandle | None = None):
+                 batch_api: DeploymentHandle | None = None, limiter: DeploymentHandle | None = None,
+                 adapters: dict[str, str] | None = None):
+        """`servers`: each model's engine deployment; `adapters`: each LoRA adapter's model (its replicas serve it)."""
         self._servers = servers
+        self._adapters = adapters or {}
         self._batch_api = batch_api
         self._keys = load_api_keys(auth.api_keys_env, auth.api_keys_file) if auth else None
         self._limits = Limits(limiter, auth.rate_limit.default_max_tokens) if limiter is not None else None
@@ -154,7 +157,7 @@ class OpenAIIngress:
         arrival = time.time()
         body = await request.body()
         try:
-            name, payload = model_and_payload(body, list(self._servers))
+            name, payload = model_and_payload(body, [*self._servers, *self._adapters])
         except BadModel as e:
             return error_response(e.status, str(e), param=e.param)
         if self._limits is not None:
@@ -165,9 +168,9 @@ class OpenAIIngress:
         headers = [(k, v) for k, v in headers if k.lower() != ARRIVAL_HEADER]
         headers += [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode()),
                     (ARRIVAL_HEADER, f"{arrival:.6f}".encode())]
-        forwarded = HTTPRequest("POST", request.url.path, body, request.url.query.encode(), headers)
+        forwarded = HTTPRequest("POST", request.url.path, body, request.url.query.encode(), headers, model=name)
         try:
-            stream = self._servers[name].options(stream=True).handle_http.remote(forwarded)
+            stream = self._servers[self._adapters.get(name, name)].options(stream=True).handle_http.remote(forwarded)
             start = await first_response(stream)
             reply_headers = _response_headers(start)
             if start.header(b"content-type", b"").startswith(b"text/event-stream"):

@@ -20,10 +20,11 @@ from collections.abc import AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.config import AuthOptions, ModelConfig
+from app.config import AuthOptions, ModelConfig, expand_env
 from app.monitoring import MonitoringOptions
 from app.deployment_options import pool_model_index
 from deployments import metrics, vllm_adapter
+from deployments.adapters import Adapters
 from deployments.asgi_bridge import stream_asgi
 from deployments.auth import load_api_keys
 from deployments.flow import Admission
@@ -71,11 +72,19 @@ class LLMServer:
         self._front = ReplicaFront(
             self._engine_app.app, model.name, [m.name for m, _ in models], keys,
             lambda: vllm_adapter.engine_is_dead(self._engine_app.engine), self._replica_id,
-            {m.name: _model_card(m, src) for m, src in models}, self._forward if len(models) > 1 else None,
+            {card["id"]: card for m, src in models for card in _model_cards(m, src)},
+            self._forward if len(models) > 1 else None,
             coalesce_s=self._coalesce_s,
             batch_api=(lambda request, h=batch_api.options(stream=True): h.handle_http.remote(request))
             if batch_api is not None else None, model_ready=self._model_ready if len(models) > 1 else None)
         self._front.metrics = self._metrics if monitoring.metrics else None
+        self._front.base_of = {a: m.name for m, _ in models for a in m.adapter_names}
+        if model.lora:
+            engine_app = self._engine_app
+            self._front.adapters = Adapters(
+                {a.name: expand_env(a.path) for a in model.lora.adapters}, model.lora.max_loras,
+                lambda name, path: vllm_adapter.load_adapter(engine_app, name, path, model.name),
+                lambda name: vllm_adapter.unload_adapter(engine_app, name))
         if limiter is not None:
             self._front.limits = Limits(limiter, auth.rate_limit.default_max_tokens)
         self._metrics.start_counters()
@@ -121,8 +130,12 @@ class LLMServer:
         return self._front
 
     def record_routing_stats(self) -> dict:
-        """What Summit's routers read per replica: the model it serves (a deployment may host several)."""
-        return {"model": self.model}
+        """What Summit's routers read per replica: the model it serves (a deployment may host several), its LoRA
+        adapters and which of them it has loaded."""
+        adapters = self._front.adapters
+        if adapters is None:
+            return {"model": self.model}
+        return {"model": self.model, "adapters": sorted(adapters.paths), "loaded": adapters.loaded()}
 
     async def handle_http(self, request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
         """Run one HTTP request through the front and vLLM's app; yields a ResponseStart, then body chunks. (A dead
@@ -235,12 +248,14 @@ async def _warm_up(engine_app, model: str) -> None:
                            "monitoring.warmup: false to start without it")
 
 
-def _model_card(model: ModelConfig, source: str) -> dict:
-    """A model's /v1/models entry as far as the config tells it (its own replica answers with vLLM's)."""
+def _model_cards(model: ModelConfig, source: str) -> list[dict]:
+    """A model's /v1/models entries as far as the config tells it (its own replica answers with vLLM's), its LoRA
+    adapters' after it (`parent`: the model, as vLLM lists an adapter)."""
     card = {"id": model.name, "object": "model", "owned_by": "summit", "root": source}
     if model.engine_kwargs.get("max_model_len"):
         card["max_model_len"] = model.engine_kwargs["max_model_len"]
-    return card
+    adapters = [{**card, "id": a.name, "root": a.path, "parent": model.name} for a in (model.lora.adapters if model.lora else [])]
+    return [card, *adapters]
 
 
 def _replica_rank() -> int:

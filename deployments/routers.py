@@ -97,6 +97,29 @@ class _SessionAffinity(_Policy):
         return routing.session_affinity(self.table, key, loads)
 
 
+class _AdapterAffinity:
+    """A LoRA adapter's requests go to a replica that has it loaded (each replica reports its loaded adapters every
+    MODEL_STATS_PERIOD_S; a replica chosen for an adapter counts as having it for HOLD_S meanwhile), unless that one
+    is `imbalance` requests busier than the least-loaded replica, which then loads it too."""
+
+    name = "adapter_affinity"
+    strict = False
+    HOLD_S = 10.0
+
+    def __init__(self, imbalance: int = routing.DEFAULT_IMBALANCE):
+        self.imbalance = imbalance
+        self._chosen: dict[tuple[str, str], float] = {}  # (adapter, replica) -> when it was last sent there
+
+    def decide(self, adapter: str, loads: routing.Loads, replicas: list[RunningReplica]) -> tuple[str, str]:
+        now = time.monotonic()
+        self._chosen = {k: t for k, t in self._chosen.items() if now - t < self.HOLD_S}
+        holders = {r.replica_id.unique_id for r in replicas if adapter in r.routing_stats.get("loaded", ())}
+        holders |= {rid for (name, rid), _ in self._chosen.items() if name == adapter}
+        chosen, outcome = routing.adapter_affinity(adapter, loads, holders, self.imbalance)
+        self._chosen[(adapter, chosen)] = now
+        return chosen, outcome
+
+
 _POLICIES: dict[str, type[_Policy]] = {
     "least_load": _LeastLoad, "prefix_affinity": _PrefixAffinity, "session_affinity": _SessionAffinity}
 
@@ -110,6 +133,7 @@ class _SummitRouter(RequestRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._policies: dict[str | None, _Policy] = {None: _LeastLoad()}
+        self._adapters = _AdapterAffinity()
         self._rng = random.Random()
 
     def _policy(self, model: str | None) -> _Policy:
@@ -134,9 +158,13 @@ class _SummitRouter(RequestRouter):
         policy = self._policy(model)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = await self._loads(candidate_replicas)
-        key = None if request is None else policy.key(request, pending_request)
         started = time.time()
-        chosen, outcome = policy.decide_why(key, loads, self._rng)
+        if model is not None and any(model in r.routing_stats.get("adapters", ()) for r in candidate_replicas):
+            key, policy = model, self._adapters  # a LoRA adapter: to a replica that has it loaded
+            chosen, outcome = policy.decide(model, loads, candidate_replicas)
+        else:
+            key = None if request is None else policy.key(request, pending_request)
+            chosen, outcome = policy.decide_why(key, loads, self._rng)
         metrics.routing_decision(model, policy.name, outcome)
         if request is not None:  # the replica's trace tells it (deployments/tracing.py)
             request.set_header(DECISION_HEADER, decision_value(policy.name, outcome, chosen, started, time.time()).encode())
@@ -197,7 +225,7 @@ def same_model(replicas: list[RunningReplica], model: str | None) -> list[Runnin
     `record_routing_stats`); all of them when the request names none or the deployment hosts one model."""
     if model is None or not any(r.routing_stats.get("model") for r in replicas):
         return replicas
-    return [r for r in replicas if r.routing_stats.get("model") == model]
+    return [r for r in replicas if r.routing_stats.get("model") == model or model in r.routing_stats.get("adapters", ())]
 
 
 class _OnePolicyRouter(_SummitRouter):

@@ -208,3 +208,55 @@ def test_same_model_keeps_a_request_to_its_models_replicas():
     assert same_model([a, b], None) == [a, b]
     assert same_model([a, b], "c") == []
     assert same_model([unknown], "b") == [unknown]  # a one-model deployment reports nothing: every replica
+
+
+def test_a_lora_adapters_requests_go_to_a_replica_that_has_it_loaded():
+    """Three replicas of model `m` with adapters `x` and `y`: `x`'s requests go where `x` is loaded, and keep going
+    there once a first one chose a replica (before any stats tell); a busy holder spills to the least-loaded one; an
+    adapter nobody holds goes by load; base-model requests ignore adapters; all stay with model `m`'s replicas."""
+    async def scenario():
+        r1, r2, r3, other = (FakeReplica(n) for n in ("r1", "r2", "r3", "other"))
+        for r in (r1, r2, r3):
+            r.routing_stats = {"model": "m", "adapters": ["x", "y"], "loaded": []}
+        other.routing_stats = {"model": "n"}
+        r2.routing_stats = {**r2.routing_stats, "loaded": ["x"]}
+        router = make_router(ModelPolicyRouter, [r1, r2, r3, other], policies={"m": {"policy": "least_load"}})
+
+        def req(model: str) -> PendingRequest:
+            p = pending({"model": model, "prompt": "x"})
+            p.args[0].model = model
+            return p
+
+        loaded_x = {await route(router, req("x")) for _ in range(6)}
+        first_y = await route(router, req("y"))  # nobody has y: by load (all idle)
+        sticky_y = {await route(router, req("y")) for _ in range(6)}  # chosen once: held there meanwhile
+        set_load(router, r2, 20)
+        spilled = await route(router, req("x"))
+        base = {await route(router, req("m")) for _ in range(12)}
+        return loaded_x, first_y, sticky_y, spilled, base
+
+    loaded_x, first_y, sticky_y, spilled, base = asyncio.run(scenario())
+    assert loaded_x == {"r2"}
+    assert sticky_y == {first_y} and first_y in {"r1", "r2", "r3"}
+    assert spilled in {"r1", "r3"}
+    assert base <= {"r1", "r2", "r3"} and len(base) > 1
+
+
+def test_adapter_affinity_outcomes():
+    from app.routing import adapter_affinity
+
+    assert adapter_affinity("x", {"a": 0, "b": 0}, set()) in (("a", "new"), ("b", "new"))
+    assert adapter_affinity("x", {"a": 0, "b": 3}, {"b"}) == ("b", "hit")
+    assert adapter_affinity("x", {"a": 0, "b": 9}, {"b"}, imbalance=8) == ("a", "spill")
+    assert adapter_affinity("x", {"a": 5, "b": 2, "c": 0}, {"a", "b"}) == ("b", "hit")  # the least loaded holder
+    # ties go by a hash of the adapter: every router makes the same first choice
+    assert len({adapter_affinity("x", {"a": 0, "b": 0, "c": 0}, set())[0] for _ in range(5)}) == 1
+
+
+def test_same_model_knows_a_models_adapters():
+    from types import SimpleNamespace
+
+    from deployments.routers import same_model
+
+    a, b = (SimpleNamespace(routing_stats=s) for s in ({"model": "a", "adapters": ["a-sql"]}, {"model": "b"}))
+    assert same_model([a, b], "a-sql") == [a]
