@@ -48,10 +48,12 @@ class ModelShape:
     mlp_bias: bool = False
     max_position_embeddings: int | None = None
     nominal_params: float | None = None
+    num_experts: int = 0  # a mixture of experts (Mixtral): experts per layer in place of the MLP; 0 = dense
+    experts_per_token: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "custom", nominal_params: float | None = None) -> ModelShape:
-        """From a Hugging Face config.json dict (Llama, Mistral, Qwen2 style)."""
+        """From a Hugging Face config.json dict (Llama, Mistral, Qwen2 style; Mixtral's mixture of experts)."""
         cfg = cfg.get("text_config", cfg)
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                                "vocab_size") if cfg.get(k) is None]
@@ -68,15 +70,30 @@ class ModelShape:
             qkv_bias=attention_bias or cfg.get("model_type") == "qwen2",  # Qwen2 always has q/k/v biases
             o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=cfg.get("max_position_embeddings"), nominal_params=nominal_params,
+            num_experts=cfg.get("num_local_experts") or 0, experts_per_token=cfg.get("num_experts_per_tok") or 0,
         )
 
     @property
     def layer_params(self) -> int:
+        return self._layer_params(self.num_experts)
+
+    def _layer_params(self, experts: int) -> int:
+        """A layer's parameters with `experts` experts' MLPs (0: the dense MLP) and, for an MoE, its router."""
         h, inter = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         mlp = 3 * h * inter + (2 * inter + h if self.mlp_bias else 0)
+        if self.num_experts:
+            mlp = experts * mlp + self.num_experts * h
         return attention + mlp + 2 * h  # + input and post-attention RMSNorm
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all of them for a dense model, `experts_per_token` experts of an MoE
+        (what a decode step reads per token at small batch; memory holds `params`)."""
+        matrices = 1 if self.tie_word_embeddings else 2
+        layer = self._layer_params(self.experts_per_token) if self.num_experts else self.layer_params
+        return self.num_layers * layer + matrices * self.vocab_params + self.hidden_size
 
     @property
     def vocab_params(self) -> int:
@@ -291,7 +308,9 @@ def _sizing_rows(p: SizingPlan) -> list[tuple[str, str]]:
     return [
         ("model", f"{s.name}: {s.num_layers} layers, hidden {s.hidden_size}, "
                   f"{s.num_heads} heads / {s.num_kv_heads} KV heads × {s.head_dim}"),
-        ("parameters", f"{s.params / 1e9:.2f} B{nominal}"),
+        ("parameters", f"{s.params / 1e9:.2f} B{nominal}" + (
+            f", {s.active_params / 1e9:.2f} B active ({s.experts_per_token} of {s.num_experts} experts a token)"
+            if s.num_experts else "")),
         (f"weights ({p.dtype})", f"{p.weights / GB:.1f} GB = {p.weights / GiB:.1f} GiB"),
         (f"KV per token ({p.kv_dtype})", f"{p.kv_per_token / 1024:g} KiB"),
         (f"KV for {p.tokens:,} tokens", f"{p.kv_context / GiB:.2f} GiB"),

@@ -102,7 +102,21 @@ def save_tokenizer(tok, out: Path, model_max_length: int, vocab_size: int | None
     return {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
 
 
-def tiny_llama_config(vocab_size: int, ids: dict[str, int], max_len: int, hidden_size: int = 128) -> dict:
+# The architectures `summit make-tiny-model --arch` writes: the tiny Llama's shapes under each family's config
+# (Qwen2: biased q/k/v; Mixtral: a mixture of 4 experts, 2 a token, in place of the MLP).
+ARCHS = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": None},
+}
+
+
+def tiny_llama_config(vocab_size: int, ids: dict[str, int], max_len: int, hidden_size: int = 128,
+                      arch: str = "llama") -> dict:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHS)}")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -121,6 +135,7 @@ def tiny_llama_config(vocab_size: int, ids: dict[str, int], max_len: int, hidden
         "eos_token_id": [ids[EOS], ids[EOT]],
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
+        **ARCHS[arch],
     }
 
 
@@ -150,14 +165,24 @@ def _random_weights(cfg: dict, seed: int) -> dict:
             p + "self_attn.k_proj.weight": rand(kv, h),
             p + "self_attn.v_proj.weight": rand(kv, h),
             p + "self_attn.o_proj.weight": rand(h, q),
-            p + "mlp.gate_proj.weight": rand(inter, h),
-            p + "mlp.up_proj.weight": rand(inter, h),
-            p + "mlp.down_proj.weight": rand(h, inter),
         })
+        if cfg["model_type"] == "qwen2":
+            weights.update({p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv),
+                            p + "self_attn.v_proj.bias": rand(kv)})
+        if cfg["model_type"] == "mixtral":
+            weights[p + "block_sparse_moe.gate.weight"] = rand(cfg["num_local_experts"], h, scale=0.5)
+            for e in range(cfg["num_local_experts"]):
+                x = f"{p}block_sparse_moe.experts.{e}."
+                weights.update({x + "w1.weight": rand(inter, h), x + "w2.weight": rand(h, inter),
+                                x + "w3.weight": rand(inter, h)})
+        else:
+            weights.update({p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+                            p + "mlp.down_proj.weight": rand(h, inter)})
     return weights
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0, max_len: int = 2048, hidden_size: int = 128) -> Path:
+def make_tiny_model(out_dir: str | Path, seed: int = 0, max_len: int = 2048, hidden_size: int = 128,
+                    arch: str = "llama") -> Path:
     """Write the tiny model to `out_dir` (deterministic for a given seed) and return the path.
 
     `hidden_size` 256 gives head_dim 64, which GPU attention kernels (FlashAttention 3) support; 128 is the CPU default.
@@ -168,7 +193,7 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, max_len: int = 2048, hid
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     ids = save_tokenizer(tok, out, model_max_length=max_len)
-    cfg = tiny_llama_config(tok.get_vocab_size(), ids, max_len, hidden_size)
+    cfg = tiny_llama_config(tok.get_vocab_size(), ids, max_len, hidden_size, arch)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]}, indent=2)

@@ -171,3 +171,32 @@ def test_readme_sizing_shows_current_plan_output(capsys):
         argv = ["plan", "--model", model, "--gpu", "h100-80gb", "--context", "128k", "--dtype", "bf16"]
         _, out, _ = run_cli(capsys, *argv)
         assert f"$ summit {' '.join(argv)}\n{out}" in readme, f"README's Sizing output for {model} is stale"
+
+
+def test_a_mixture_of_experts_counts_every_expert_in_memory_and_its_chosen_ones_as_active():
+    """Mixtral 8x7B's config: 46.7 B parameters held, 12.9 B run per token (Mistral AI's own figures)."""
+    from app.planner import ModelShape
+
+    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "model_type": "mixtral"}
+    moe = ModelShape.from_config(cfg, "mixtral-8x7b")
+    assert round(moe.params / 1e9, 1) == 46.7 and round(moe.active_params / 1e9, 1) == 12.9
+    dense = ModelShape.from_config({k: v for k, v in cfg.items() if "expert" not in k}, "mistral-7b")
+    assert dense.active_params == dense.params and round(dense.params / 1e9, 2) == 7.24
+
+
+def test_the_tiny_architectures_have_their_familys_shapes(tmp_path):
+    import json
+
+    from app.planner import ModelShape
+    from app.tiny_model import make_tiny_model
+
+    shapes = {arch: ModelShape.from_config(json.loads((make_tiny_model(tmp_path / arch, arch=arch) / "config.json")
+                                                      .read_text())) for arch in ("llama", "qwen2", "mixtral")}
+    assert shapes["qwen2"].qkv_bias and not shapes["llama"].qkv_bias
+    assert shapes["mixtral"].num_experts == 4 and shapes["mixtral"].active_params < shapes["mixtral"].params
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "mixtral" / "model.safetensors"), "pt") as f:  # the weights have those shapes
+        assert sum(f.get_tensor(k).numel() for k in f.keys()) == shapes["mixtral"].params
