@@ -1,0 +1,115 @@
+"""Engine features switched on in the YAML, on real engines, through the official `openai` client: LoRA adapters
+(each an OpenAI model, loaded on first use, routed to a replica that has it loaded), structured output, and the
+model families `summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts).
+
+One app for all of them, to keep CI's cost to one deploy: on the direct path, 2 replicas of the tiny Llama with two
+tiny adapters and one replica of each other family.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from app.lora import make_tiny_lora
+from app.tiny_model import make_tiny_model
+from tests.cpu.engine_apps import deployed, running_replicas, tiny_model, wait_for
+
+MODEL = "tiny-feat"
+ADAPTERS = ("tiny-sql", "tiny-poet")
+ARCHS = ("mistral", "qwen2", "mixtral")
+POOL = "LLMServer:" + "+".join([MODEL, *(f"tiny-{arch}" for arch in ARCHS)])  # the direct path's one deployment
+
+
+@pytest.fixture(scope="module")
+def features_app(tiny_model_dir, tmp_path_factory):
+    adapters = tmp_path_factory.mktemp("adapters")
+    lora = {"adapters": [{"name": name, "path": str(make_tiny_lora(tiny_model_dir, adapters / name, seed=seed))}
+                         for seed, name in enumerate(ADAPTERS, start=1)], "max_loras": 2}
+    # JSON without free whitespace: a random model would otherwise write spaces until max_tokens
+    engine = {"max_model_len": 2048, "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+    model = tiny_model(MODEL, engine, {"num_replicas": 2}, lora=lora)
+    families = [tiny_model(f"tiny-{arch}", {"max_model_len": 2048}, {"num_replicas": 1},
+                           source=str(make_tiny_model(tmp_path_factory.mktemp(arch), max_len=2048, arch=arch)))
+                for arch in ARCHS]
+    with deployed([model, *families], tiny_model_dir, haproxy=True) as cluster:
+        assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 2 + len(ARCHS), 300, 1)
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def client(features_app):
+    return openai.OpenAI(base_url=features_app.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(client, model: str, prompt: str = "The ridge at dawn", **kw):
+    raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=16, temperature=0, **kw)
+    return raw.parse().choices[0].text, raw.headers["x-summit-replica"]
+
+
+def test_models_lists_each_adapter_under_its_model(client):
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {MODEL, *ADAPTERS, *(f"tiny-{arch}" for arch in ARCHS)}
+    assert all(getattr(cards[a], "parent", None) == MODEL for a in ADAPTERS)
+    assert getattr(cards[MODEL], "parent", None) is None
+
+
+def test_each_adapter_changes_the_models_output(client):
+    texts = {name: complete(client, name)[0] for name in (MODEL, *ADAPTERS)}
+    assert len(set(texts.values())) == 3, texts  # at temperature 0: each adapter's weights at work
+    assert complete(client, "tiny-sql")[0] == texts["tiny-sql"]  # and the same again
+    chat = client.chat.completions.create(model="tiny-poet", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.model == "tiny-poet" and chat.choices[0].message.content
+
+
+def test_an_adapters_requests_stay_on_a_replica_that_loaded_it(client):
+    """Sequential requests leave every replica idle: by load alone they would spread over both (1 in 128 that 8
+    land on one); by adapter they stay where the adapter was first loaded."""
+    replicas = {name: [complete(client, name, prompt=f"request {i}")[1] for i in range(8)] for name in ADAPTERS}
+    assert all(len(set(chosen)) == 1 for chosen in replicas.values()), replicas
+
+
+def test_an_unknown_adapter_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        complete(client, "tiny-nonesuch")
+    assert "tiny-nonesuch" in e.value.message and "tiny-sql" in e.value.message
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["peak", "height_m", "tags"],
+          "properties": {"peak": {"type": "string", "enum": ["Eiger", "Matterhorn", "Denali"]},
+                         "height_m": {"type": "integer", "minimum": 1000, "maximum": 9000},
+                         "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}}
+
+
+@pytest.mark.parametrize("model", [MODEL, "tiny-sql"])
+def test_json_schema_output_matches_the_schema(client, model):
+    """The random model writes valid, schema-true JSON only because vLLM's structured output masks its tokens."""
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a peak."}], max_tokens=200, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "peak", "schema": SCHEMA, "strict": True}})
+    choice = answer.choices[0]
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert choice.finish_reason == "stop", choice
+
+
+def test_without_a_schema_the_random_model_writes_no_json(features_app):
+    """The control for the test above: the same request without response_format is not that JSON."""
+    r = httpx.post(features_app.base_url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Name a peak."}], "max_tokens": 40, "temperature": 0})
+    text = r.json()["choices"][0]["message"]["content"]
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_model_family_answers_through_the_same_yaml(client, arch):
+    """Each family's checkpoint runs in vLLM's own class for it (a Mixtral replica sends each token through 2 of
+    its 4 experts)."""
+    answer = client.completions.create(model=f"tiny-{arch}", prompt="The ridge at dawn", max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 12 and answer.choices[0].text
