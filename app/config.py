@@ -225,8 +225,8 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _lora_in_one_place(self) -> ModelConfig:
-        if set(self.engine_kwargs) & set(LORA_ENGINE_KEYS):
-            key = sorted(set(self.engine_kwargs) & set(LORA_ENGINE_KEYS))[0]
+        if clash := sorted(set(self.engine_kwargs) & set(LORA_ENGINE_KEYS)):
+            key = clash[0]
             raise ValueError(f"model {self.name!r}: engine_kwargs.{key}: LoRA is set with the model's `lora:` key "
                              "(adapters, max_loras, max_lora_rank); remove it from engine_kwargs")
         if self.lora and self.disaggregation:

@@ -221,8 +221,9 @@ def _http_request(pending_request: PendingRequest | None) -> HTTPRequest | None:
 
 
 def same_model(replicas: list[RunningReplica], model: str | None) -> list[RunningReplica]:
-    """The replicas serving `model`, where a deployment hosts several models (each replica reports its own in
-    `record_routing_stats`); all of them when the request names none or the deployment hosts one model."""
+    """The replicas serving `model` (or the model a LoRA adapter `model` belongs to), where a deployment hosts several
+    models (each replica reports its own and its adapters in `record_routing_stats`); all of them when the request
+    names none or the replicas report nothing."""
     if model is None or not any(r.routing_stats.get("model") for r in replicas):
         return replicas
     return [r for r in replicas if r.routing_stats.get("model") == model or model in r.routing_stats.get("adapters", ())]
