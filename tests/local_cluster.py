@@ -23,26 +23,42 @@ from app.deployment_options import DIRECT_PATH_ENV
 LOOPBACK = "127.0.0.1"
 
 
+_handed_out: set[int] = set()  # ports this process gave to a cluster: two clusters of one test run never share
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind((LOOPBACK, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def free_port_window(low: int, high: int, size: int = 100) -> int:
     """The first port of `size` consecutive ports in [low, high) that are free now (below Linux's ephemeral range,
-    which free_port draws from), picked at random so that clusters started side by side get different windows."""
+    which free_port draws from), picked at random so that clusters started side by side get different windows.
+
+    Every port is checked, and windows handed out by this process are never handed out again: Serve's replicas bind
+    their ports with SO_REUSEPORT, so a replica of one cluster whose window overlapped another's would share a port
+    with the other's replica, and the kernel would split one cluster's requests between both (seen in CI: a request
+    to one app answered "model does not exist" by another app's replica)."""
     import random
 
     for _ in range(200):
         base = random.randrange(low, high - size, size)
+        window = set(range(base, base + size))
+        if window & _handed_out:
+            continue
         try:
-            for port in range(base, base + size, 10):  # sampled: enough to avoid a window in use
+            for port in window:
                 with socket.socket() as s:
                     s.bind((LOOPBACK, port))
-            return base
         except OSError:
             continue
+        _handed_out.update(window)
+        return base
     raise RuntimeError(f"no free window of {size} ports in [{low}, {high})")
 
 
