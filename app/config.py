@@ -10,9 +10,10 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.batch.options import BatchOptions
+from app.engine_checks import check_cpu_quantization, check_engine_kwargs, check_tool_options, resolve_chat_template
 from app.lora import LORA_ENGINE_KEYS, LoraOptions
 from app.monitoring import MonitoringOptions
 
@@ -202,7 +203,8 @@ class ModelConfig(_Strict):
         for key in kwargs:
             if key not in known:
                 raise ValueError(f"frontend_kwargs.{key} is not an option of vLLM's OpenAI server; known: {', '.join(sorted(known))}")
-        return kwargs
+        check_tool_options(kwargs)
+        return resolve_chat_template(kwargs)
 
     def resolved_source(self, env: dict[str, str] | None = None) -> str:
         env = os.environ if env is None else env
@@ -234,11 +236,13 @@ class ModelConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _gpu_engine_kwargs_safe(self) -> ModelConfig:
+    def _engine_kwargs_fit_the_accelerator(self) -> ModelConfig:
         if self.accelerator == "gpu":
             from deployments.vllm_adapter import check_gpu_engine_kwargs
 
             check_gpu_engine_kwargs(self.engine_kwargs)
+        else:
+            check_cpu_quantization(self.name, self.engine_kwargs)
         return self
 
     @model_validator(mode="after")
@@ -322,31 +326,6 @@ class ModelConfig(_Strict):
         if given is None:
             return None
         return autoscaling_config(given, self.max_num_seqs, self.max_ongoing_requests)
-
-
-def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
-    """Raise ValueError naming the first engine kwarg that vLLM does not know or whose value has the wrong type."""
-    from deployments.vllm_adapter import RESERVED_ENGINE_KEYS, engine_arg_types
-
-    types = engine_arg_types()
-    for key, value in kwargs.items():
-        if key in RESERVED_ENGINE_KEYS:
-            raise ValueError(f"engine_kwargs.{key}: set it with the model's `{RESERVED_ENGINE_KEYS[key]}` key instead")
-        if key not in types:
-            close = [k for k in types if key.replace("-", "_") == k or key in k or k in key][:5]
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"engine_kwargs.{key} is not a vLLM engine argument{hint}")
-        hint = types[key]
-        if hint is None:
-            continue
-        try:
-            adapter = TypeAdapter(hint)
-        except Exception:  # annotations pydantic cannot build a schema for: leave them to vLLM
-            continue
-        try:
-            adapter.validate_python(value)
-        except ValidationError as e:
-            raise ValueError(f"engine_kwargs.{key}={value!r} has the wrong type for vLLM ({e.errors()[0]['msg']})") from None
 
 
 class IngressOptions(_Strict):

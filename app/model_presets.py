@@ -49,6 +49,17 @@ PRESETS: dict[str, dict] = {
         "num_attention_heads": 128,
         "num_hidden_layers": 126,
     },
+    # a draft model for the 8B/70B/405B (same tokenizer and vocabulary): speculative decoding's `draft_model`
+    "llama-3.2-1b": {
+        **_LLAMA31_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+        "rope_scaling": {**_LLAMA31_COMMON["rope_scaling"], "factor": 32.0},
+    },
 }
 
 ALIASES = {"8b": "llama-3.1-8b", "70b": "llama-3.1-70b", "405b": "llama-3.1-405b"}

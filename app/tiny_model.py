@@ -14,7 +14,8 @@ from app.model_presets import get_preset
 
 BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
-SPECIAL_TOKENS = [BOS, EOS, HEADER_START, HEADER_END, EOT]
+PYTHON_TAG, EOM = "<|python_tag|>", "<|eom_id|>"  # Llama 3.1's tool-call tokens (vLLM's llama3_json parser needs the first)
+SPECIAL_TOKENS = [BOS, EOS, HEADER_START, HEADER_END, EOT, PYTHON_TAG, EOM]
 
 # Llama-3 style template: bos, then one header + body + <|eot_id|> per message.
 CHAT_TEMPLATE = (
@@ -113,6 +114,11 @@ ARCHS = {
 }
 
 
+def eos_ids(ids: dict[str, int]) -> list[int]:
+    """Llama 3.1's stop tokens: end of text, end of message (after a tool call), end of turn."""
+    return [ids[EOS], ids[EOM], ids[EOT]]
+
+
 def tiny_llama_config(vocab_size: int, ids: dict[str, int], max_len: int, hidden_size: int = 128,
                       arch: str = "llama") -> dict:
     if arch not in ARCHS:
@@ -132,7 +138,7 @@ def tiny_llama_config(vocab_size: int, ids: dict[str, int], max_len: int, hidden
         "rope_theta": 10000.0,
         "vocab_size": vocab_size,
         "bos_token_id": ids[BOS],
-        "eos_token_id": [ids[EOS], ids[EOT]],
+        "eos_token_id": eos_ids(ids),
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
         **ARCHS[arch],
@@ -196,7 +202,7 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, max_len: int = 2048, hid
     cfg = tiny_llama_config(tok.get_vocab_size(), ids, max_len, hidden_size, arch)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]}, indent=2)
+        json.dumps({"bos_token_id": ids[BOS], "eos_token_id": eos_ids(ids)}, indent=2)
     )
     save_file(_random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -212,6 +218,6 @@ def make_model_config(preset: str, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     ids = save_tokenizer(tok, out, model_max_length=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"])
-    cfg.update(bos_token_id=ids[BOS], eos_token_id=[ids[EOS], ids[EOT]])
+    cfg.update(bos_token_id=ids[BOS], eos_token_id=eos_ids(ids))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

