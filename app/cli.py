@@ -68,6 +68,14 @@ def _plan(ns: argparse.Namespace) -> int:
         shape = _load_shape(ns.model)
         budget = planner.Budget(ns.gpu, ns.gpu_memory_utilization, ns.max_num_batched_tokens, ns.max_num_seqs)
         tokens = planner.parse_tokens(ns.context)
+        if ns.throughput:
+            from app import throughput
+
+            work = throughput.Workload(ns.concurrency, ns.prompt_tokens, ns.output_tokens)
+            gpus = ns.gpus or ns.gpus_per_node
+            options = throughput.compare_layouts(shape, ns.gpu, gpus, work, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget)
+            print(throughput.format_comparison(shape, ns.gpu, gpus, work, options))
+            return 0 if options else 1
         print(planner.format_plan(planner.plan(shape, ns.gpu, tokens, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget)))
     except (KeyError, ValueError) as e:
         print(f"summit plan: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
@@ -130,6 +138,12 @@ def _add_sizing_commands(sub) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill chunk (activation headroom)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="batch size (sampler headroom)")
+    p.add_argument("--throughput", action="store_true",
+                   help="compare replicas × TP layouts of --gpus GPUs by estimated tokens/s (a roofline)")
+    p.add_argument("--gpus", type=int, help="--throughput: GPUs to divide (default: --gpus-per-node)")
+    p.add_argument("--concurrency", type=int, default=256, help="--throughput: streams in flight, all replicas")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="--throughput: prompt length")
+    p.add_argument("--output-tokens", type=int, default=256, help="--throughput: tokens generated per request")
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("validate", help="refuse a Serve YAML whose models cannot fit the given GPUs and nodes")

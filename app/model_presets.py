@@ -60,6 +60,13 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": True,
         "rope_scaling": {**_LLAMA31_COMMON["rope_scaling"], "factor": 32.0},
     },
+    # the seeds' throughput note (Llama 2 7B on 1, 2 and 4 A100s): checks `summit plan --throughput`
+    "llama-2-7b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "vocab_size": 32000,
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float16",
+    },
 }
 
 ALIASES = {"8b": "llama-3.1-8b", "70b": "llama-3.1-70b", "405b": "llama-3.1-405b"}
