@@ -27,15 +27,16 @@ PREFIX, SESSION = "tiny-prefix", "tiny-session"
 POOL = f"LLMServer:{PREFIX}+{SESSION}"
 KV_BLOCK = 128  # vLLM's CPU KV block (tokens); the prefix cache reuses whole blocks only
 HOT_IMBALANCE = 2
-PREFIX_MAX_LEN = 8192
+PREFIX_MAX_LEN = 32768  # room for streams that outlast routing the others even on a loaded CI machine
 
 
 @pytest.fixture(scope="module")
 def summit2(tiny_model_dir, tmp_path_factory):
     # The prefix model takes long contexts, so the hot-prefix test's streams can outlast routing on a loaded box.
-    long_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-8k", max_len=PREFIX_MAX_LEN)
+    long_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-32k", max_len=PREFIX_MAX_LEN)
     models = [
-        tiny_model(PREFIX, {"enable_prefix_caching": True, "max_model_len": PREFIX_MAX_LEN}, {"num_replicas": 2},
+        tiny_model(PREFIX, {"enable_prefix_caching": True, "max_model_len": PREFIX_MAX_LEN,
+                                   "kv_cache_memory_bytes": 256 << 20}, {"num_replicas": 2},
                    routing={"policy": "prefix_affinity", "imbalance": HOT_IMBALANCE}, source=str(long_dir)),
         tiny_model(SESSION, {"enable_prefix_caching": True}, {"num_replicas": 2}, routing={"policy": "session_affinity"}),
     ]
@@ -132,22 +133,25 @@ def test_a_hot_prefix_spills_to_the_other_replica(http):
     n = 2 * HOT_IMBALANCE + 2
     replicas: dict[int, str] = {}
     routed = [threading.Event() for _ in range(n)]
-    finished_early: list[int] = []
+    finished_early: list[tuple[int, int, str]] = []  # stream, status, its last line
     stop = threading.Event()
 
     def stream(i: int) -> None:
-        # ~7,500 tokens (tens of seconds even alone): far longer than routing the others takes; the test closes it
-        # (an abort) once every stream was routed.
-        body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 7500, "ignore_eos": True, "stream": True}
+        # 30,000 tokens (minutes even alone; 7,500 ran out in CI while later streams waited for their first token on
+        # a loaded machine): far longer than routing the others takes; the test closes it (an abort) once every
+        # stream was routed.
+        body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 30000, "ignore_eos": True, "stream": True}
         try:
             with http.stream("POST", "/v1/completions", json=body) as r:
                 replicas[i] = replica_of(r)  # the answer has started: its replica counts it as ongoing
                 routed[i].set()
-                for _ in r.iter_lines():
+                last = ""
+                for line in r.iter_lines():
                     if stop.is_set():
                         return
+                    last = line or last
                 if not stop.is_set():
-                    finished_early.append(i)
+                    finished_early.append((i, r.status_code, last[:300]))
         finally:
             routed[i].set()
 
