@@ -196,6 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "direct path (Serve's HAProxy with loopback stats, body-aware route picker)")
     p.set_defaults(func=_direct_path_env)
 
+    p = sub.add_parser("sbatch", help="write an sbatch script for a Serve YAML, sized by the planner")
+    _sbatch_arguments(p)
+    p.set_defaults(func=_sbatch)
+
+    p = sub.add_parser("job-env", help="print `export` lines giving one job (SLURM) its own Ray / Serve / HAProxy "
+                       "ports and files, and write its Serve YAML with that HTTP port")
+    p.add_argument("--state-dir", required=True, help="a short directory of the job's own (HAProxy's sockets)")
+    p.add_argument("--config", required=True, help="the Serve YAML the job deploys")
+    p.add_argument("--config-out", required=True, help="where to write the job's copy of it")
+    p.set_defaults(func=_job_env)
+
     p = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) offline on the models of a Serve YAML")
     p.add_argument("input", help="JSONL lines {custom_id, method, url, body}, as for the Batch API")
     p.add_argument("-o", "--output", required=True, help="answered lines (appended; a rerun skips them)")
@@ -212,6 +223,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_batch)
     _add_sizing_commands(sub)
     return parser
+
+
+def _sbatch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="the Serve YAML the job deploys (its path as the job will see it)")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs of one node (0: CPU engines)")
+    p.add_argument("--nodes", type=int, default=None, help="default: the fewest that hold the YAML's replicas")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--time", default="24:00:00", help="the job's time limit (it drains 5 minutes before)")
+    p.add_argument("--gpu", default="h100-80gb", help="GPU model for the memory check (summit validate's --gpu)")
+    p.add_argument("-o", "--output", default=None, help="write the script here (default: print it)")
+
+
+def sbatch_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="summit sbatch")
+    _sbatch_arguments(p)
+    return p
+
+
+def _sbatch(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from app.sbatch import JobSpec, render
+
+    spec = JobSpec(ns.file, ns.gpus_per_node, ns.nodes, ns.partition, ns.time, ns.gpu)
+    try:
+        script = render(spec)
+    except (ValueError, OSError) as e:
+        print(f"summit sbatch: error: {e}", file=sys.stderr)
+        return 2
+    if ns.output:
+        Path(ns.output).write_text(script)
+        Path(ns.output).chmod(0o755)
+        print(f"summit sbatch: wrote {ns.output}; submit it with: sbatch {ns.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(script)
+    return 0
+
+
+def _job_env(ns: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from app.job_env import job_env, job_serve_config
+
+    env = job_env(Path(ns.state_dir))
+    env["SUMMIT_JOB_CONFIG"] = str(job_serve_config(Path(ns.config), int(env["SUMMIT_HTTP_PORT"]), Path(ns.config_out)))
+    for key, value in env.items():
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
 
 
 def _direct_path_env(ns: argparse.Namespace) -> int:

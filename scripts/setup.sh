@@ -10,15 +10,19 @@ EXTRAS=${SUMMIT_EXTRAS:-cpu,test}
 STAMP="$VENV/.summit-setup"
 want="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS"
 
-# The monitoring tests run Debian's Prometheus and Chromium (headless): installed with apt where we are root.
-if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null; then
+# The monitoring tests run Debian's Prometheus and Chromium (headless), the SLURM test Debian's slurmctld, slurmd and
+# munge: installed with apt where we are root.
+APT_PACKAGES="prometheus chromium slurmctld slurmd slurm-client munge"
+if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null || ! command -v slurmctld >/dev/null \
+    || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     t_apt=$(date +%s)
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium >/dev/null
-    echo "setup: prometheus and chromium installed in $(( $(date +%s) - t_apt )) s"
+    # shellcheck disable=SC2086 # a list of packages
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $APT_PACKAGES >/dev/null
+    echo "setup: $APT_PACKAGES installed in $(( $(date +%s) - t_apt )) s"
   else
-    echo "setup: prometheus/chromium missing; as root: apt-get install prometheus chromium (tests/cpu/test_monitoring.py)"
+    echo "setup: some of $APT_PACKAGES missing; as root: apt-get install $APT_PACKAGES (tests/cpu/test_monitoring.py, tests/cpu/test_slurm.py)"
   fi
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

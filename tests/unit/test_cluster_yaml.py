@@ -73,7 +73,7 @@ def test_cluster_files_start_ray_with_serves_haproxy():
         config = yaml.safe_load((CLUSTER / name).read_text())
         starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
         assert len(starts) == 2 and all('eval "$(summit direct-path-env)"; RAY_AUTH_MODE=token ray start' in c for c in starts), name
-    assert 'eval "$(summit direct-path-env)"' in SBATCH.read_text()
+    assert 'eval "$(summit job-env ' in SBATCH.read_text()  # the direct path's environment, with the job's own ports
     spec = yaml.safe_load((CLUSTER / "kuberay/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
     groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
     for container in (c for g in groups for c in g["template"]["spec"]["containers"]):
@@ -131,29 +131,56 @@ def dry_run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_sbatch_dry_run_prints_the_cluster_commands(tmp_path):
-    result = dry_run(tmp_path, "--dry-run", "--config", "serve_configs/llama405b.yaml", "--port", "6380",
-                     "--dashboard-port", "8266", "--log-dir", str(tmp_path / "logs"))
+    result = dry_run(tmp_path, "--dry-run", "--config", "serve_configs/llama405b.yaml", "--log-dir", str(tmp_path / "logs"))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     head = [x for x in lines if "ray start --head" in x]
     assert len(head) == 1 and "srun --nodes=1 --ntasks=1 -w gpu-a" in head[0]
-    assert "--port=6380" in head[0] and "--dashboard-port=8266" in head[0] and "--block" in head[0]
+    assert "--block" in head[0] and "--temp-dir=/tmp/summit-local/ray" in head[0] and "--num-gpus=8" in head[0]
     assert f"{tmp_path}/logs/ray-head.log" in head[0]
-    workers = [x for x in lines if "ray start --block --address=gpu-a:6380" in x]
+    workers = [x for x in lines if "ray start --block --address=gpu-a:" in x]
     assert [w.split(" -w ")[1].split()[0] for w in workers] == ["gpu-b", "gpu-c"]
-    assert "+ serve deploy serve_configs/llama405b.yaml --address http://127.0.0.1:8266" in lines
-    assert "+ ray get-auth-token --generate > /dev/null" in lines  # no token in $HOME yet: made, never printed
+    job_env = next(x for x in lines if "summit job-env" in x)
+    assert "--config serve_configs/llama405b.yaml" in job_env and f"--config-out {tmp_path}/logs/serve.yaml" in job_env
+    assert any(x.startswith(f"+ serve deploy {tmp_path}/logs/serve.yaml --address http://127.0.0.1:") for x in lines)
+    assert "+ sh -c umask 077 && ray get-auth-token --generate >/dev/null" in lines  # no token yet: made, never printed
     assert not (tmp_path / "logs").exists()  # nothing ran
 
 
 def test_sbatch_dry_run_from_env_and_token_present(tmp_path):
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray/auth_token").write_text("secret")
-    result = dry_run(tmp_path, DRY_RUN="1", SERVE_CONFIG="serve_configs/llama70b.yaml", SUMMIT_NODES="n1")
+    result = dry_run(tmp_path, DRY_RUN="1", SERVE_CONFIG="serve_configs/llama70b.yaml", SUMMIT_NODES="n1",
+                     GPUS_PER_NODE="4")
     assert result.returncode == 0, result.stderr
     assert "get-auth-token" not in result.stdout and "secret" not in result.stdout
-    assert "+ serve deploy serve_configs/llama70b.yaml --address http://127.0.0.1:8265" in result.stdout
-    assert "--port=6379" in result.stdout and "ray start --block --address" not in result.stdout
+    assert "--config serve_configs/llama70b.yaml" in result.stdout and "--num-gpus=4" in result.stdout
+    assert "ray start --block --address" not in result.stdout
+
+
+def test_the_shipped_sbatch_is_summit_sbatch_output(monkeypatch):
+    from app.sbatch import render, spec_from_header
+
+    committed = SBATCH.read_text()
+    monkeypatch.chdir(ROOT)
+    spec = spec_from_header(committed)
+    assert spec.config == "serve_configs/llama405b.yaml" and spec.gpus_per_node == 8
+    assert committed == render(spec), "regenerate: summit sbatch serve_configs/llama405b.yaml --gpus-per-node 8 " \
+        "--gpu h100-80gb -o cluster_yaml/slurm/summit.sbatch"
+    assert "#SBATCH --nodes=2\n" in committed and "#SBATCH --gpus-per-node=8\n" in committed  # TP 8 × PP 2
+
+
+def test_summit_sbatch_sizes_the_job_from_the_yaml(monkeypatch):
+    from app.sbatch import JobSpec, render
+
+    monkeypatch.chdir(ROOT)
+    assert "#SBATCH --nodes=1\n" in render(JobSpec("serve_configs/llama70b.yaml", 8, time="2:00:00"))  # TP 4
+    script = render(JobSpec("serve_configs/llama405b-fp8.yaml", 8, partition="gpu", time="4:00:00"))
+    assert "#SBATCH --nodes=1\n" in script and "#SBATCH --partition=gpu\n" in script and "#SBATCH --time=4:00:00" in script
+    with pytest.raises(ValueError, match="need 16 GPUs .* has 8"):
+        render(JobSpec("serve_configs/llama405b.yaml", 8, nodes=1))
+    cpu = render(JobSpec("serve_configs/tiny-cpu.yaml", 0, nodes=2))
+    assert "#SBATCH --nodes=2\n" in cpu and "#SBATCH --gpus-per-node" not in cpu and "GPUS_PER_NODE_DEFAULT=0" in cpu
 
 
 def test_sbatch_refuses_unknown_options_and_missing_nodes(tmp_path):
