@@ -39,6 +39,10 @@ if sys.argv[2] == "ray-pg":
     group = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="STRICT_PACK")
     ray.get(group.ready())
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # the engine core joins this cluster
+    # This driver is not a Ray actor, so vLLM would fork its engine core, which then inherits a Ray connection that
+    # no longer works and waits forever (2 x H200, 2026-11-24: "Ray is already initialized", no worker started).
+    # A Serve replica is an actor: vLLM spawns there by itself (vllm.utils.system_utils._maybe_force_spawn).
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     kwargs["distributed_executor_backend"] = "ray"
     # what vllm_adapter._use_replica_placement_group does in a replica
     from vllm.engine.arg_utils import EngineArgs
@@ -75,14 +79,19 @@ def main() -> None:
     kwargs.pop("distributed_executor_backend", None)
     env = {**os.environ, **NO_NVLINK_MULTICAST_ENV}
     for layer in ns.layers:
-        run = subprocess.run([sys.executable, "-c", LAYER, json.dumps(kwargs), layer], env=env, capture_output=True,
-                             text=True, timeout=ns.timeout)
-        out = run.stdout + run.stderr
-        tokens = [line for line in run.stdout.splitlines() if line.startswith("TOKENS")]
-        print(f"layer {layer}: " + (f"OK {tokens[-1]}" if run.returncode == 0 and tokens else f"FAIL rc={run.returncode}"))
+        log = Path(os.environ.get("OUT", ".")) / f"layer-{layer}.log"  # written as it runs: a hang still leaves it
+        with log.open("w") as f:
+            try:
+                rc = subprocess.run([sys.executable, "-c", LAYER, json.dumps(kwargs), layer], env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, timeout=ns.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        out = log.read_text(errors="replace")
+        tokens = [line for line in out.splitlines() if line.startswith("TOKENS")]
+        print(f"layer {layer}: " + (f"OK {tokens[-1]}" if rc == 0 and tokens else f"FAIL rc={rc}"))
         if "mnnvl" in out:
             print(f"layer {layer}: WARNING the log mentions mnnvl")
-        if run.returncode != 0 or not tokens:
+        if rc != 0 or not tokens:
             print("\n".join(out.splitlines()[-40:]))
 
 

@@ -128,7 +128,8 @@ def run_loads(base_url: str | list[str], ns: argparse.Namespace, server_pids: li
         result.serving_cpu_s = sum(cpu_used_s(b, a) for b, a in zip(before, after))
         merged_before = {k: v for b in before for k, v in b.items()}
         result.cpu_breakdown = cpu_by_process(merged_before, {k: v for a in after for k, v in a.items()})
-        print(f"  c={c}: {result.tok_per_s:.0f} tok/s; CPU s by process: "
+        print(f"  c={c}: {result.tok_per_s:.0f} tok/s, TTFT p50 {result.ttft_pct(50) * 1e3:.1f} ms, "
+              f"p99 {result.ttft_pct(99) * 1e3:.1f} ms; CPU s by process: "
               + ", ".join(f"{name} {s:.1f}" for name, s in result.cpu_breakdown), flush=True)
         results.append(result)
     return results
@@ -294,6 +295,8 @@ def main() -> None:
                     rounds.setdefault(name + suffix, []).append(fn(ns, model_dir, tp, replicas))
                     print(f"round {round_no + 1} {name + suffix}: ready in {rounds[name + suffix][-1][0]:.1f} s "
                           f"tok/s {[round(r.tok_per_s) for r in rounds[name + suffix][-1][1]]}", flush=True)
+                    if ns.json:  # after every peer, so that a run cut off by a time limit keeps what it measured
+                        write_json(ns.json, {name: median_round(runs) for name, runs in rounds.items()})
     results = {name: median_round(runs) for name, runs in rounds.items()}
 
     print(f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}"
@@ -320,9 +323,13 @@ def main() -> None:
                 if r.concurrency == 1:
                     print(f"{name} single stream: {r.tok_per_s:.1f} tok/s = {r.tok_per_s / bound:.0%} of the HBM bound")
     if ns.json:
-        rows = [{"peer": name, "ready_s": round(ready, 1), **x.row()} for name, (ready, loads) in results.items()
-                for x in loads]
-        Path(ns.json).write_text(json.dumps(rows, indent=2))
+        write_json(ns.json, results)
+
+
+def write_json(path: str, results: dict) -> None:
+    rows = [{"peer": name, "ready_s": round(ready, 1), **x.row()} for name, (ready, loads) in results.items()
+            for x in loads]
+    Path(path).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
