@@ -8,6 +8,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$GPUS_PER_NODE_DEFAULT}}
 CPUS_PER_NODE=${CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-}}
 NODES_WAIT_S=${NODES_WAIT_S:-600}          # every node's Ray must join within this
 READY_WAIT_S=${READY_WAIT_S:-3600}         # the app must answer within this (a 405B loads in 6–40 minutes)
+DRAIN_WAIT_S=${DRAIN_WAIT_S:-240}          # drain: the longest wait for running requests (the signal comes 300 s ahead)
 DRY_RUN=${DRY_RUN:-0}
 
 usage() { sed -n '2,/^#SBATCH/p' "$0" | grep -v '^#SBATCH' | sed 's/^# \{0,1\}//'; }
@@ -96,6 +97,13 @@ wait_for_nodes() {
   done
 }
 
+# Serve replicas still alive (a replica that is draining stays alive until its running requests end).
+live_replicas() {
+  ray list actors --address "http://127.0.0.1:$DASHBOARD_PORT" --filter "state=ALIVE" --limit 10000 --format json 2>/dev/null \
+    | python3 -c 'import json, sys; print(sum(a["class_name"].startswith("ServeReplica:") for a in json.load(sys.stdin)))' \
+      2>/dev/null || echo 0
+}
+
 # endpoint STATE [DETAIL]: write endpoint.json (atomically) for whoever waits for the job: a notebook, a script.
 endpoint() {
   [ "$DRY_RUN" = 1 ] && { echo "+ endpoint.json: $1"; return 0; }
@@ -131,7 +139,14 @@ ensure_token() {
 drain() {
   say "time limit near: draining (serve shutdown waits for running requests)"
   endpoint draining "the job's time limit is near"
+  # Serve stops routing to the replicas and gives each its graceful_shutdown_timeout_s for running requests; the
+  # command returns after at most 30 s, so wait here until the last replica is gone before the job's Ray stops.
   serve shutdown -y --address "http://127.0.0.1:$DASHBOARD_PORT" || true
+  local waited=0
+  while [ "$(live_replicas)" -gt 0 ] && [ "$waited" -lt "$DRAIN_WAIT_S" ]; do
+    sleep 2
+    waited=$((waited + 2))
+  done
   endpoint stopped "drained before the time limit"
   exit 0
 }

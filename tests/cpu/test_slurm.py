@@ -1,7 +1,9 @@
 """The shipped sbatch script on a real SLURM cluster of two nodes (Debian's slurmctld, slurmd and munge; each node a
 network and PID namespace of its own: tests/slurm_cluster.py), with the tiny CPU config: the job starts the Ray head
 on n1 and a worker on n2, deploys the Serve YAML, writes its endpoint, answers the official OpenAI client; squeue
-shows it; scancel stops every process it started and frees its port.
+shows it; scancel stops every process it started and frees its port. Two jobs on one node get their own ports and
+stop alone; a node lost mid-job is reported in endpoint.json while the job keeps serving; SLURM's signal before the
+time limit drains the job: a running stream ends complete, then the job stops.
 
 The job is `cluster_yaml/slurm/summit.sbatch` as shipped, with only sbatch options and environment on the command
 line (README "Running on SLURM" shows the same commands): `--nodes=2 --gpus-per-node=0 --cpus-per-task=2`, and
@@ -16,9 +18,12 @@ import secrets
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from tests.cpu.engine_apps import REPO
 from tests.slurm_cluster import SlurmCluster, slurm_available
@@ -33,7 +38,24 @@ client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, ti
 models = [m.id for m in client.models.list().data]
 r = client.completions.create(model=models[0], prompt="Over the ridge", max_tokens=8, temperature=0,
                               extra_body={"ignore_eos": True})
-print(json.dumps({"models": models, "tokens": r.usage.completion_tokens, "replica": None}))
+print(json.dumps({"models": models, "tokens": r.usage.completion_tokens}))
+"""
+
+STREAM = """
+import json, sys
+import openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=300)
+finish, usage = None, None
+for i, chunk in enumerate(client.completions.create(model="tiny-llama", prompt="Down the valley", stream=True,
+                                                   max_tokens=int(sys.argv[2]), temperature=0,
+                                                   stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True})):
+    if i == 0:
+        print("FIRST", flush=True)
+    for c in chunk.choices:
+        finish = c.finish_reason or finish
+    usage = chunk.usage or usage
+print(json.dumps({"finish": finish, "tokens": usage.completion_tokens if usage else None}), flush=True)
 """
 
 
@@ -58,65 +80,170 @@ def slurm():
         cluster.stop()
 
 
-def test_the_shipped_sbatch_serves_from_two_nodes_and_scancel_stops_it(slurm, tiny_model_dir, tmp_path):
-    token = tmp_path / "ray_token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    logs = tmp_path / "logs"
-    env = {"GPUS_PER_NODE": "0", "SERVE_CONFIG": str(REPO / "serve_configs/tiny-cpu.yaml"),
-           "SUMMIT_VENV": sys.prefix, "PYTHONPATH": str(REPO), "RAY_AUTH_TOKEN_PATH": str(token), "LOG_DIR": str(logs),
-           "SUMMIT_TINY_MODEL": str(tiny_model_dir), "NODES_WAIT_S": "180", "READY_WAIT_S": "600",
-           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+@dataclass
+class Job:
+    id: str
+    logs: Path
+    out: Path
+
+    def endpoint(self) -> dict | None:
+        path = self.logs / "endpoint.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def tail(self) -> str:
+        return self.out.read_text()[-3000:] if self.out.exists() else "(no job output yet)"
+
+
+def submit(slurm: SlurmCluster, tmp_path: Path, tiny_model_dir, name: str, *options: str,
+           config: Path = REPO / "serve_configs/tiny-cpu.yaml") -> Job:
+    """`sbatch` of the shipped script with only sbatch options and environment on the command line."""
+    token = tmp_path / "ray_token"  # one cluster token for the test's jobs (each job's Ray uses it)
+    if not token.exists():
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+    logs = tmp_path / f"logs-{name}"
+    env = {"GPUS_PER_NODE": "0", "SERVE_CONFIG": str(config), "SUMMIT_VENV": sys.prefix, "PYTHONPATH": str(REPO),
+           "RAY_AUTH_TOKEN_PATH": str(token), "LOG_DIR": str(logs), "SUMMIT_TINY_MODEL": str(tiny_model_dir),
+           "NODES_WAIT_S": "180", "READY_WAIT_S": "600", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     exports = ",".join(["ALL", *(f"{k}={v}" for k, v in env.items() if k != "PATH")])
     # the job's environment is this one (--export=ALL) without the single-node switch the loopback tests set
     submit_env = {k: v for k, v in {**slurm.env, **env}.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    submitted = subprocess.run([*slurm.head.net_prefix, "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0",
-                                "--cpus-per-task=2", "--time=30", f"--export={exports}", f"--chdir={REPO}",
-                                f"--output={tmp_path}/job-%j.out", str(REPO / "cluster_yaml/slurm/summit.sbatch")],
+    out = tmp_path / f"job-{name}.out"
+    submitted = subprocess.run([*slurm.head.net_prefix, "sbatch", "--parsable", *options, "--gpus-per-node=0",
+                                "--time=30", f"--export={exports}", f"--chdir={REPO}", f"--output={out}",
+                                str(REPO / "cluster_yaml/slurm/summit.sbatch")],
                                capture_output=True, text=True, env=submit_env, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
+    return Job(submitted.stdout.strip().split(";")[0], logs, out)
+
+
+def wait_ready(slurm: SlurmCluster, job: Job, timeout_s: float = 900) -> dict:
     started = time.monotonic()
-    endpoint = logs / "endpoint.json"
     state = None
-    while time.monotonic() - started < 900:
-        if endpoint.exists():
-            state = json.loads(endpoint.read_text())
-            if state["state"] in ("ready", "failed", "stopped"):
-                break
-        assert job_id in " ".join(slurm.jobs()), (slurm.jobs(), _tail(tmp_path, job_id))
+    while time.monotonic() - started < timeout_s:
+        state = job.endpoint()
+        if state and state["state"] in ("ready", "failed", "stopped"):
+            break
+        assert job.id in " ".join(slurm.jobs()), (slurm.jobs(), job.tail())
         time.sleep(3)
-    ready_s = time.monotonic() - started
-    assert state is not None and state["state"] == "ready", (state, _tail(tmp_path, job_id))
-    print(f"job {job_id}: submitted -> ready in {ready_s:.0f} s; {state['ssh_tunnel']}")
+    assert state is not None and state["state"] == "ready", (state, job.tail())
+    print(f"job {job.id}: ready in {time.monotonic() - started:.0f} s; {state['ssh_tunnel']}")
+    return state
 
-    (line,) = [j for j in slurm.jobs() if j.split()[0] == job_id]
-    assert line.split()[1] == "RUNNING" and line.split()[2] == "n[1-2]", line  # squeue: both nodes
-    base_url = f"http://127.0.0.1:{state['port']}/v1"
-    answer = subprocess.run([*slurm.head.net_prefix, sys.executable, "-c", CLIENT, base_url], capture_output=True,
-                            text=True, timeout=180)
+
+def ask(slurm: SlurmCluster, port: int, timeout: float = 180) -> dict:
+    answer = subprocess.run([*slurm.head.net_prefix, sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}/v1"],
+                            capture_output=True, text=True, timeout=timeout)
     assert answer.returncode == 0, answer.stderr[-3000:]
-    reply = json.loads(answer.stdout.strip().splitlines()[-1])
-    assert reply["tokens"] == 8 and reply["models"] == ["tiny-llama"], reply
-    ray_nodes = {log.name for log in logs.glob("ray-*.log")}
-    assert ray_nodes == {"ray-head.log", "ray-worker-n2.log"}, ray_nodes
-    assert job_processes(job_id), "the job's processes carry SLURM_JOB_ID"
+    return json.loads(answer.stdout.strip().splitlines()[-1])
 
-    slurm.run("scancel", job_id)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and (job_id in " ".join(slurm.jobs()) or job_processes(job_id)):
+
+def squeue_line(slurm: SlurmCluster, job: Job) -> str:
+    (line,) = [j for j in slurm.jobs() if j.split()[0] == job.id]
+    return line
+
+
+def wait_gone(slurm: SlurmCluster, job: Job, timeout_s: float = 90) -> None:
+    """The job has left squeue and no process of it is left on any node."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (job.id in " ".join(slurm.jobs()) or job_processes(job.id)):
         time.sleep(2)
-    assert job_id not in " ".join(slurm.jobs())
-    left = [(p.pid, p.name()) for p in job_processes(job_id) if p.is_running()]
-    assert not left, f"processes of job {job_id} left after scancel: {left}"
-    probe = subprocess.run([*slurm.head.net_prefix, sys.executable, "-c",
-                            # as a server binds it (SO_REUSEADDR: the client's closed connections may sit in TIME_WAIT)
-                            "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-                            f"s.bind(('127.0.0.1', {state['port']})); s.listen()"],
-                           capture_output=True, text=True)
+    assert job.id not in " ".join(slurm.jobs()), job.tail()
+    left = [(p.pid, p.name()) for p in job_processes(job.id) if p.is_running()]
+    assert not left, f"processes of job {job.id} left: {left}"
+
+
+def port_binds(slurm: SlurmCluster, port: int) -> subprocess.CompletedProcess:
+    return subprocess.run([*slurm.head.net_prefix, sys.executable, "-c",
+                           # as a server binds it (SO_REUSEADDR: the client's closed connections may sit in TIME_WAIT)
+                           "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                           f"s.bind(('127.0.0.1', {port})); s.listen()"], capture_output=True, text=True)
+
+
+def test_the_shipped_sbatch_serves_from_two_nodes_and_scancel_stops_it(slurm, tiny_model_dir, tmp_path):
+    started = time.monotonic()
+    job = submit(slurm, tmp_path, tiny_model_dir, "two-nodes", "--nodes=2", "--cpus-per-task=2")
+    state = wait_ready(slurm, job)
+    print(f"job {job.id}: submitted -> ready in {time.monotonic() - started:.0f} s")
+    line = squeue_line(slurm, job)
+    assert line.split()[1] == "RUNNING" and line.split()[2] == "n[1-2]", line  # squeue: both nodes
+    reply = ask(slurm, state["port"])
+    assert reply["tokens"] == 8 and reply["models"] == ["tiny-llama"], reply
+    ray_nodes = {log.name for log in job.logs.glob("ray-*.log")}
+    assert ray_nodes == {"ray-head.log", "ray-worker-n2.log"}, ray_nodes
+    assert job_processes(job.id), "the job's processes carry SLURM_JOB_ID"
+
+    slurm.run("scancel", job.id)
+    wait_gone(slurm, job)
+    probe = port_binds(slurm, state["port"])
     assert probe.returncode == 0, f"port {state['port']} still taken: {probe.stderr}"
 
 
-def _tail(tmp_path, job_id: str) -> str:
-    out = tmp_path / f"job-{job_id}.out"
-    return out.read_text()[-3000:] if out.exists() else "(no job output yet)"
+def test_two_jobs_on_one_node_get_their_own_ports_and_stop_alone(slurm, tiny_model_dir, tmp_path):
+    """Two one-node jobs of one CPU each, both on n1: each its own Ray, ports, temp dir and endpoint. The shipped
+    script asks for whole nodes (`--exclusive`); `--exclusive=user` on the command line lets one user's jobs share."""
+    jobs = [submit(slurm, tmp_path, tiny_model_dir, name, "--nodes=1", "--nodelist=n1", "--cpus-per-task=1",
+                   "--exclusive=user")
+            for name in ("a", "b")]
+    a, b = (wait_ready(slurm, job) for job in jobs)
+    for job in jobs:
+        assert squeue_line(slurm, job).split()[1:] == ["RUNNING", "n1"], slurm.jobs()
+    ports = {key: (a[key], b[key]) for key in ("port", "dashboard")}
+    assert a["port"] != b["port"] and a["dashboard"] != b["dashboard"], ports
+    for state in (a, b):
+        assert ask(slurm, state["port"])["tokens"] == 8
+
+    slurm.run("scancel", jobs[1].id)
+    wait_gone(slurm, jobs[1])
+    assert ask(slurm, a["port"])["tokens"] == 8, "job a answers after job b on the same node stopped"
+    assert port_binds(slurm, b["port"]).returncode == 0, f"job b's port {b['port']} still taken"
+    slurm.run("scancel", jobs[0].id)
+    wait_gone(slurm, jobs[0])
+
+
+def test_a_lost_node_is_reported_and_the_time_limit_signal_drains(slurm, tiny_model_dir, tmp_path):
+    """Kill the worker node's step (as when a node dies): endpoint.json names it, the job keeps serving. Then SLURM's
+    signal ahead of the time limit (`--signal=B:USR1@300` in the script; sent here with `scancel --batch`) while a
+    stream runs: the stream ends complete, the endpoint says stopped, the job leaves nothing behind."""
+    config = yaml.safe_load((REPO / "serve_configs/tiny-cpu.yaml").read_text())
+    # long enough for the test's stream on a loaded 2-core machine (the default is 20 s)
+    config["applications"][0]["args"]["models"][0]["deployment"]["graceful_shutdown_timeout_s"] = 120
+    config_path = tmp_path / "tiny-cpu-drain.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    job = submit(slurm, tmp_path, tiny_model_dir, "lost", "--nodes=2", "--cpus-per-task=2", config=config_path)
+    state = wait_ready(slurm, job)
+
+    steps = slurm.run("squeue", "-h", "-s", "-j", job.id, "-o", "%i %N").stdout.split("\n")
+    (worker_step,) = [line.split()[0] for line in steps if line.strip().endswith(" n2")]
+    slurm.run("scancel", worker_step)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (job.endpoint() or {}).get("lost_nodes") != ["n2"]:
+        time.sleep(2)
+    lost = job.endpoint()
+    assert lost["lost_nodes"] == ["n2"] and lost["state"] == "ready" and "n2" in lost["detail"], (lost, job.tail())
+    assert "node n2 left the job" in job.out.read_text(), job.tail()
+    assert squeue_line(slurm, job).split()[1] == "RUNNING"
+    deadline, reply = time.monotonic() + 300, None  # a replica that was on n2 restarts on n1
+    while time.monotonic() < deadline:
+        try:
+            reply = ask(slurm, state["port"], timeout=60)
+            break
+        except (AssertionError, subprocess.TimeoutExpired):
+            time.sleep(5)
+    assert reply and reply["tokens"] == 8, job.tail()
+
+    stream = subprocess.Popen([*slurm.head.net_prefix, sys.executable, "-c", STREAM,
+                               f"http://127.0.0.1:{state['port']}/v1", "400"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert stream.stdout.readline().strip() == "FIRST"
+        slurm.run("scancel", "--batch", "--signal=USR1", job.id)
+        result = json.loads(stream.stdout.readline())
+        stream.wait(timeout=60)
+    finally:
+        if stream.poll() is None:
+            stream.kill()
+    assert result == {"finish": "length", "tokens": 400}, (result, job.tail())
+    wait_gone(slurm, job, timeout_s=240)
+    final = job.endpoint()
+    assert final["state"] == "stopped" and "drained" in final["detail"], final
+    assert "draining" in job.out.read_text(), job.tail()
