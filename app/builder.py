@@ -11,7 +11,7 @@ from ray import serve
 from ray.serve import Application
 
 from app.config import SummitConfig
-from app.deployment_options import (BATCH_API_OPTIONS, RATE_LIMITER_OPTIONS, batch_runner_options, engine_pool_options,
+from app.deployment_options import (ADAPTER_REGISTRY_OPTIONS, BATCH_API_OPTIONS, RATE_LIMITER_OPTIONS, batch_runner_options, engine_pool_options,
                                     ingress_deployment_options, llm_deployment_options,
                                     pool_problem, prefill_deployment_options, replica_bundles, route_picker_options,
                                     serving_models)
@@ -21,6 +21,7 @@ from deployments.batch_api import BatchAPI
 from deployments.batch_runner import BatchRunner
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
+from deployments.lora_runtime import AdapterRegistry
 from deployments.rate_limit import RateLimiter
 from deployments.route_picker import RoutePicker
 
@@ -91,10 +92,12 @@ def build_app(args: dict[str, Any]) -> Application:
     engine_names = engine_deployment_names(config, path)
     batch_api = batch_app(config, engine_names)
     limiter = rate_limiter(config)
+    registry = (serve.deployment(AdapterRegistry).options(**ADAPTER_REGISTRY_OPTIONS).bind()
+                if config.runtime_lora_models else None)
     if path == "direct":
         models = [(m, m.resolved_source()) for m in serving]
         engines = serve.deployment(serve.ingress()(LLMServer)).options(**engine_pool_options(serving))
-        engines_app = engines.bind(models, config.auth, prefill, batch_api, config.monitoring, limiter)
+        engines_app = engines.bind(models, config.auth, prefill, batch_api, config.monitoring, limiter, registry)
         if len(models) == 1 and config.models[0].routing.policy == "least_load" and not config.models[0].lora:
             return engines_app  # HAProxy's own choice (leastconn) is least-load: no routing call per request
         picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines_app)
@@ -102,11 +105,12 @@ def build_app(args: dict[str, Any]) -> Application:
     servers = {
         m.name: serve.deployment(LLMServer).options(**options[m.name]).bind(
             [(m, m.resolved_source())], None, {m.name: prefill[m.name]} if m.name in prefill else None,
-            monitoring=config.monitoring)
+            monitoring=config.monitoring, adapter_registry=registry)
         for m in serving
     }
     ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(config.ingress))
-    return ingress.bind(servers, config.auth, batch_api, limiter, {a: m.name for m in serving for a in m.adapter_names})
+    return ingress.bind(servers, config.auth, batch_api, limiter, {a: m.name for m in serving for a in m.adapter_names},
+                        registry, config.runtime_lora_models)
 
 
 def engine_deployment_names(config: SummitConfig, path: str) -> dict[str, str]:

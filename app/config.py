@@ -390,4 +390,14 @@ class SummitConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"models[].name and lora.adapters[].name must be unique; repeated: {', '.join(dupes)}")
+        runtime = [m.name for m in self.models if m.lora and m.lora.runtime_loading]
+        if runtime and self.auth is None:
+            raise ValueError(f"models[{runtime[0]!r}].lora.runtime_loading: loading adapters at run time needs API keys "
+                             "(anyone could load code-bearing files otherwise). Fix: add `auth: {api_keys_env: "
+                             "SUMMIT_API_KEYS}` (or api_keys_file), or remove runtime_loading")
         return self
+
+    @property
+    def runtime_lora_models(self) -> list[str]:
+        """The models whose adapters may be added and removed at run time (lora.runtime_loading)."""
+        return [m.name for m in self.models if m.lora and m.lora.runtime_loading]

@@ -210,6 +210,14 @@ RATE_LIMITER_OPTIONS: dict[str, Any] = {
     "ray_actor_options": {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}}
 
 
+# The adapters loaded at run time (lora.runtime_loading): one replica on the head node; each engine replica reads it
+# every second.
+ADAPTER_REGISTRY_OPTIONS: dict[str, Any] = {
+    "name": "AdapterRegistry", "num_replicas": 1, "max_ongoing_requests": 10_000,
+    "logging_config": {"enable_access_log": False},
+    "ray_actor_options": {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}}
+
+
 def batch_runner_options() -> dict[str, Any]:
     """The batch runner: one replica; it holds no state (the store does), so Serve may restart it anywhere."""
     return {"name": "BatchRunner", "num_replicas": 1, "max_ongoing_requests": 100, "ray_actor_options": {"num_cpus": 0},

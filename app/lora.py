@@ -35,14 +35,20 @@ class Adapter(BaseModel):
 class LoraOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    adapters: list[Adapter] = Field(min_length=1, description="The adapters served on top of this model.")
+    adapters: list[Adapter] = Field(default_factory=list, description="The adapters served on top of this model.")
     max_loras: int = Field(4, ge=1, description="Adapters one replica keeps loaded (vLLM's max_loras and "
                            "max_cpu_loras): the least recently used idle one is unloaded to load another.")
     max_lora_rank: int = Field(16, ge=1, description="The largest adapter rank (vLLM's max_lora_rank: 8, 16, 32, 64, "
                                "128, 256, 320 or 512).")
+    runtime_loading: bool = Field(False, description="Let `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` "
+                                  "(vLLM's routes) add and remove this model's adapters while it runs; needs `auth` "
+                                  "(API keys). README: LoRA adapters.")
 
     @model_validator(mode="after")
     def _unique(self) -> LoraOptions:
+        if not self.adapters and not self.runtime_loading:
+            raise ValueError("lora.adapters: list at least one adapter (name, path), or set `runtime_loading: true` to "
+                             "add them while the model runs")
         names = [a.name for a in self.adapters]
         if dupes := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"lora.adapters[].name must be unique; repeated: {', '.join(dupes)}")

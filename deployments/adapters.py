@@ -59,3 +59,13 @@ class Adapters:
             del self._loaded[idle]
             await self._unload(idle)
             logger.info("LoRA adapter %s unloaded to make room", idle)
+
+    async def forget(self, name: str) -> None:
+        """Stop serving `name` (unloaded at run time): its weights leave the engine now if no request uses them, else
+        when room is made for another adapter."""
+        self.paths.pop(name, None)
+        async with self._lock:
+            if name in self._loaded and self._in_use[name] == 0:
+                del self._loaded[name]
+                await self._unload(name)
+                logger.info("LoRA adapter %s unloaded (removed at run time)", name)

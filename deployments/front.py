@@ -31,6 +31,7 @@ from deployments.handoff import BATCH_PREFIXES, OWNER_HEADER, owner_of, relay
 from deployments.metrics import ReplicaMetrics
 from deployments.migration import Resumable, resumable, resume_or_fail
 from deployments.model_names import BadModel, model_and_payload
+from deployments.lora_runtime import RUNTIME_LORA_ROUTES, RuntimeAdapters
 from deployments.observe import ARRIVAL_HEADER, RequestWatch
 from deployments.openapi import build as build_openapi
 from deployments.pd import PD_ROUTES, ClientGone, Disaggregated, PrefillFailed, decode_body
@@ -76,12 +77,14 @@ class ReplicaFront:
         # own adapters, loaded on first use (deployments/adapters.py); set by LLMServer
         self.base_of: dict[str, str] = {}
         self.adapters: Adapters | None = None
+        # adapters added and removed at run time (models[].lora.runtime_loading; deployments/lora_runtime.py)
+        self.runtime_lora: RuntimeAdapters | None = None
         self._keys = keys
         self._openapi: dict | None = None
         self._engine_dead = engine_dead
         self._replica_id = replica_id.encode()
         # /v1/models entries of the application's other models (this replica's own comes from vLLM)
-        self._cards = model_cards or {}
+        self.cards = model_cards or {}
         # whether another model of the application has a replica that can answer now (None: all are listed)
         self._model_ready = model_ready
         # the direct path's bound on running + waiting requests (None: Serve bounds them, as on the two-hop path)
@@ -100,6 +103,10 @@ class ReplicaFront:
         # what generation requests record (monitoring:): serving metrics and traces; None = off
         self.metrics: ReplicaMetrics | None = None
         self.tracing: Tracing | None = None
+
+    @property
+    def models(self) -> list[str]:
+        return self._models
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":  # vLLM's app was started with its engine; nothing to start or stop here
@@ -127,6 +134,9 @@ class ReplicaFront:
             return
         if method == "GET" and path == "/v1/models":
             await self._list_models(scope, receive, send)
+            return
+        if path in RUNTIME_LORA_ROUTES and self.runtime_lora is not None:
+            await self.runtime_lora.answer(self, scope, headers, receive, send)
             return
         if path.startswith(BATCH_PREFIXES):
             await self._to_batch_api(scope, headers, authorization, receive, send)
@@ -403,7 +413,7 @@ class ReplicaFront:
             others = [m for m, ok in zip(others, ready) if ok]
         listed = {self.model, *others}
         others += [a for a, base in self.base_of.items() if base in listed]
-        data = own + [self._cards.get(m, {"id": m, "object": "model", "owned_by": "summit"}) for m in others]
+        data = own + [self.cards.get(m, {"id": m, "object": "model", "owned_by": "summit"}) for m in others]
         await send_json(send, 200, {"object": "list", "data": data})
 
 

@@ -23,6 +23,7 @@ from app.config import AuthOptions
 from deployments.auth import authorized, load_api_keys, unauthorized
 from deployments.errors import error_response, openai_error_bytes
 from deployments.handoff import OWNER_HEADER, can_route, owner_of
+from deployments.lora_runtime import LOAD, LoraRequestError, parse_load, parse_unload
 from deployments.model_names import BadModel, model_and_payload
 from deployments.observe import ARRIVAL_HEADER
 from deployments.protocol import HTTPRequest, ResponseStart
@@ -57,10 +58,16 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 class OpenAIIngress:
     def __init__(self, servers: dict[str, DeploymentHandle], auth: AuthOptions | None = None,
                  batch_api: DeploymentHandle | None = None, limiter: DeploymentHandle | None = None,
-                 adapters: dict[str, str] | None = None):
-        """`servers`: each model's engine deployment; `adapters`: each LoRA adapter's model (its replicas serve it)."""
+                 adapters: dict[str, str] | None = None, adapter_registry: DeploymentHandle | None = None,
+                 runtime_lora_models: list[str] | None = None):
+        """`servers`: each model's engine deployment; `adapters`: each LoRA adapter's model (its replicas serve it);
+        `adapter_registry`: the adapters loaded at run time into `runtime_lora_models` (deployments/lora_runtime.py)."""
         self._servers = servers
         self._adapters = adapters or {}
+        self._registry = adapter_registry
+        self._runtime_models = runtime_lora_models or []
+        self._runtime: dict[str, str] = {}  # adapter loaded at run time -> its model, as the registry last said
+        self._runtime_read = 0.0
         self._batch_api = batch_api
         self._keys = load_api_keys(auth.api_keys_env, auth.api_keys_file) if auth else None
         self._limits = Limits(limiter, auth.rate_limit.default_max_tokens) if limiter is not None else None
@@ -120,6 +127,52 @@ class OpenAIIngress:
     async def detokenize(self, request: Request) -> Response:
         return await self._forward(request)
 
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await self._runtime_lora(request)
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await self._runtime_lora(request)
+
+    async def _runtime_adapters(self, fresh: bool = False) -> dict[str, str]:
+        """Adapters loaded at run time -> their model (read from the registry at most every half second)."""
+        if self._registry is not None and (fresh or time.monotonic() - self._runtime_read > 0.5):
+            _, entries = await self._registry.snapshot.remote()
+            self._runtime = {name: base for name, (base, _) in entries.items()}
+            self._runtime_read = time.monotonic()
+        return self._runtime
+
+    async def _runtime_lora(self, request: Request) -> Response:
+        """vLLM's adapter routes: checked here, answered by a replica of the adapter's model (it loads the adapter)."""
+        if denied := self._denied(request):
+            return denied
+        if self._registry is None:
+            return error_response(404, f"POST {request.url.path} is not served: no model has `lora.runtime_loading: "
+                                  "true` (README: LoRA adapters)")
+        body = await request.body()
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError):
+            payload = None
+        runtime = await self._runtime_adapters(fresh=True)
+        try:
+            if request.url.path == LOAD:
+                _, _, base = parse_load(payload, self._runtime_models, {*self._servers, *self._adapters, *runtime})
+            else:
+                name = parse_unload(payload, set(self._adapters))
+                if name not in runtime:
+                    raise LoraRequestError(f"The lora adapter '{name}' cannot be found.", 404, param="lora_name")
+                base = runtime[name]
+        except LoraRequestError as e:
+            return error_response(e.status, str(e), param=e.param)
+        try:
+            start, reply = await self._call(base, HTTPRequest("POST", request.url.path, body, b"",
+                                                              [(b"content-type", b"application/json")], model=base))
+        except ModelUnavailable as e:
+            return error_response(e.status, str(e), headers={"retry-after": e.retry_after})
+        return Response(reply, status_code=start.status, headers=_response_headers(start))
+
     @api.api_route("/v1/files{rest:path}", methods=["GET", "POST", "DELETE"])
     async def files(self, request: Request, rest: str) -> Response:
         return await self._to_batch_api(request)
@@ -157,9 +210,14 @@ class OpenAIIngress:
         arrival = time.time()
         body = await request.body()
         try:
-            name, payload = model_and_payload(body, [*self._servers, *self._adapters])
+            name, payload = model_and_payload(body, [*self._servers, *self._adapters, *self._runtime])
         except BadModel as e:
-            return error_response(e.status, str(e), param=e.param)
+            if e.status != 404 or self._registry is None:
+                return error_response(e.status, str(e), param=e.param)
+            try:  # perhaps an adapter loaded at run time since the registry was last read
+                name, payload = model_and_payload(body, [*self._servers, *self._adapters, *await self._runtime_adapters()])
+            except BadModel as again:
+                return error_response(again.status, str(again), param=again.param)
         if self._limits is not None:
             owner = owner_of(request.headers.get("authorization", "").encode())
             if refusal := await self._limits.refusal(owner, request.url.path, payload):
@@ -170,7 +228,8 @@ class OpenAIIngress:
                     (ARRIVAL_HEADER, f"{arrival:.6f}".encode())]
         forwarded = HTTPRequest("POST", request.url.path, body, request.url.query.encode(), headers, model=name)
         try:
-            stream = self._servers[self._adapters.get(name, name)].options(stream=True).handle_http.remote(forwarded)
+            model = self._adapters.get(name) or self._runtime.get(name) or name
+            stream = self._servers[model].options(stream=True).handle_http.remote(forwarded)
             start = await first_response(stream)
             reply_headers = _response_headers(start)
             if start.header(b"content-type", b"").startswith(b"text/event-stream"):

@@ -8,6 +8,7 @@ model in `record_routing_stats` for the routers. On the two-hop path the OpenAII
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -25,6 +26,7 @@ from app.monitoring import MonitoringOptions
 from app.deployment_options import pool_model_index
 from deployments import metrics, vllm_adapter
 from deployments.adapters import Adapters
+from deployments.lora_runtime import SYNC_PERIOD_S, RuntimeAdapters
 from deployments.asgi_bridge import stream_asgi
 from deployments.auth import load_api_keys
 from deployments.flow import Admission
@@ -45,12 +47,14 @@ class LLMServer:
 
     async def __init__(self, models: list[tuple[ModelConfig, str]], auth: AuthOptions | None = None,
                        prefill: dict[str, DeploymentHandle] | None = None, batch_api: DeploymentHandle | None = None,
-                       monitoring: MonitoringOptions | None = None, limiter: DeploymentHandle | None = None):
+                       monitoring: MonitoringOptions | None = None, limiter: DeploymentHandle | None = None,
+                       adapter_registry: DeploymentHandle | None = None):
         """`models`: (config, resolved source) of each model this deployment hosts, one per replica; `auth`: the API
         keys when this deployment is the HTTP entry (direct path); `prefill`: the prefill pool of each disaggregated
         model among them (this deployment is then that model's decode pool); `batch_api`: the Batch API's store, which
         the HTTP entry hands /v1/files and /v1/batches to (direct path, batch on); `monitoring`: metrics, traces and
-        the warm-up (app/monitoring.py); `limiter`: the per-key RateLimiter (direct path, `auth.rate_limit`)."""
+        the warm-up (app/monitoring.py); `limiter`: the per-key RateLimiter (direct path, `auth.rate_limit`);
+        `adapter_registry`: the adapters loaded at run time (deployments/lora_runtime.py; lora.runtime_loading)."""
         monitoring = monitoring or MonitoringOptions()
         self._replica_id = _replica_id()
         model, source = models[pool_model_index(_replica_rank(), [m.deployment.num_replicas for m, _ in models])]
@@ -85,6 +89,12 @@ class LLMServer:
                 {a.name: expand_env(a.path) for a in model.lora.adapters}, model.lora.max_loras,
                 lambda name, path: vllm_adapter.load_adapter(engine_app, name, path, model.name),
                 lambda name: vllm_adapter.unload_adapter(engine_app, name))
+        if adapter_registry is not None:  # knows the adapters loaded at run time before it takes traffic
+            self._front.runtime_lora = RuntimeAdapters(
+                adapter_registry, [m.name for m, _ in models if m.lora and m.lora.runtime_loading],
+                {a for m, _ in models for a in m.adapter_names})
+            await self._sync_adapters_once()
+            self._adapter_sync = asyncio.get_running_loop().create_task(self._keep_adapters_in_sync())
         if limiter is not None:
             self._front.limits = Limits(limiter, auth.rate_limit.default_max_tokens)
         self._metrics.start_counters()
@@ -103,6 +113,17 @@ class LLMServer:
                                                       model.disaggregation_fallback)
         self._deployment = model.deployment
         self._max_ongoing = model.max_ongoing_requests
+
+    async def _sync_adapters_once(self) -> None:
+        try:
+            await self._front.runtime_lora.refresh(self._front)
+        except Exception as e:  # noqa: BLE001 — the registry restarting: the next round catches up
+            logger.warning("LoRA adapter registry not reachable (%s: %s); retrying", type(e).__name__, e)
+
+    async def _keep_adapters_in_sync(self) -> None:
+        while True:
+            await asyncio.sleep(SYNC_PERIOD_S)
+            await self._sync_adapters_once()
 
     def _forward(self, request: HTTPRequest):
         """A Serve response stream for another model's request (or a resumed stream's continuation), from one of that

@@ -28,11 +28,12 @@ def tiny_model(name: str, engine_kwargs: dict | None = None, deployment: dict | 
 
 @contextmanager
 def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env: dict[str, str] | None = None,
-             haproxy: bool = False, batch: bool = False, args: dict | None = None, while_waiting=None):
+             haproxy: bool = False, batch: bool = False, args: dict | None = None, while_waiting=None,
+             ready_path: str = "/v1/models"):
     """A private loopback cluster with one app serving `models` (shipped YAML otherwise); stopped by PID after.
     `haproxy`: Serve's HAProxy in front, which puts the app on the direct path; `batch`: keep the YAML's Batch API;
     `args`: more of the app's args (e.g. `monitoring`); `while_waiting(cluster)`: called about once a second until
-    the app is ready."""
+    the app is ready; `ready_path`: what answers 200 once it is (`/health` when API keys are on)."""
     cluster = LocalCluster(num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})},
                            haproxy=haproxy)
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
@@ -45,7 +46,8 @@ def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env:
     cluster.serve_config = config  # for a test's redeploy with a change
     try:
         cluster.start()
-        cluster.serve_deploy(config, while_waiting=while_waiting and (lambda: while_waiting(cluster)))
+        cluster.serve_deploy(config, while_waiting=while_waiting and (lambda: while_waiting(cluster)),
+                             ready_path=ready_path)
         yield cluster
     finally:
         cluster.stop()

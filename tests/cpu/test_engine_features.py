@@ -3,7 +3,8 @@
 (Llama 3.1's JSON format: the shipped chat template and vLLM's llama3_json parser), quantization, and the model families `summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts).
 
 One app for all of them, to keep CI's cost to one deploy: on the direct path, 2 replicas of the tiny Llama with two
-tiny adapters and one replica of each other family.
+tiny adapters and one replica of each other family. API keys are on, as adapters loaded at run time (vLLM's
+/v1/load_lora_adapter) require.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ MODEL = "tiny-feat"
 ADAPTERS = ("tiny-sql", "tiny-poet")
 ARCHS = ("mistral", "qwen2", "mixtral")
 QUANTIZED = "tiny-fp8"
+API_KEY = "sk-summit-features"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 POOL = "LLMServer:" + "+".join([MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED])  # the direct path's one deployment
 
 
@@ -30,7 +33,8 @@ POOL = "LLMServer:" + "+".join([MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUAN
 def features_app(tiny_model_dir, tmp_path_factory):
     adapters = tmp_path_factory.mktemp("adapters")
     lora = {"adapters": [{"name": name, "path": str(make_tiny_lora(tiny_model_dir, adapters / name, seed=seed))}
-                         for seed, name in enumerate(ADAPTERS, start=1)], "max_loras": 2}
+                         for seed, name in enumerate(ADAPTERS, start=1)], "max_loras": 2,
+            "runtime_loading": True}
     # JSON without free whitespace: a random model would otherwise write spaces until max_tokens
     engine = {"max_model_len": 2048, "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
     tools = {"enable_auto_tool_choice": True, "tool_call_parser": "llama3_json",
@@ -43,15 +47,16 @@ def features_app(tiny_model_dir, tmp_path_factory):
     quantized = tiny_model(QUANTIZED, {"max_model_len": 2048, "quantization": "fp8_per_channel"}, {"num_replicas": 1})
     # Tool calls through vLLM's JSON-schema path (honours disable_any_whitespace). vLLM 0.32's default, xgrammar's
     # Llama structural tag, lets whitespace between keys, and a random model writes newlines until max_tokens.
-    env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
-    with deployed([model, *families, quantized], tiny_model_dir, haproxy=True, env=env) as cluster:
+    env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": API_KEY}
+    with deployed([model, *families, quantized], tiny_model_dir, haproxy=True, env=env,
+                  args={"auth": {"api_keys_env": "SUMMIT_API_KEYS"}}, ready_path="/health") as cluster:
         assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 3 + len(ARCHS), 300, 1)
         yield cluster
 
 
 @pytest.fixture(scope="module")
 def client(features_app):
-    return openai.OpenAI(base_url=features_app.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=features_app.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def complete(client, model: str, prompt: str = "The ridge at dawn", **kw):
@@ -107,7 +112,7 @@ def test_json_schema_output_matches_the_schema(client, model):
 
 def test_without_a_schema_the_random_model_writes_no_json(features_app):
     """The control for the test above: the same request without response_format is not that JSON."""
-    r = httpx.post(features_app.base_url + "/v1/chat/completions", timeout=120, json={
+    r = httpx.post(features_app.base_url + "/v1/chat/completions", timeout=120, headers=AUTH, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Name a peak."}], "max_tokens": 40, "temperature": 0})
     text = r.json()["choices"][0]["message"]["content"]
     with pytest.raises((ValueError, jsonschema.ValidationError)):
@@ -187,3 +192,51 @@ def test_auto_tool_choice_runs_the_llama3_json_parser(client):
         {"role": "tool", "tool_call_id": "call0", "content": json.dumps({"forecast": "snow", "wind_kmh": 60})}]
     after = client.chat.completions.create(model=MODEL, messages=turns, tools=PLAIN_TOOLS, max_tokens=12, temperature=0)
     assert after.choices[0].message.content and after.usage.prompt_tokens > answer.usage.prompt_tokens
+
+
+RUNTIME = "tiny-runtime"
+
+
+def _listed(client) -> dict:
+    return {m.id: m for m in client.models.list().data}
+
+
+def test_an_adapter_loaded_at_run_time_is_served_routed_and_unloaded(features_app, client, tiny_model_dir, tmp_path):
+    """vLLM's /v1/load_lora_adapter behind the API key: the loading replica's engine loads the adapter before the
+    answer, every replica learns it from the registry (listed, routed to the replica that has it), and
+    /v1/unload_lora_adapter takes it away everywhere."""
+    url = features_app.base_url
+    path = str(make_tiny_lora(tiny_model_dir, tmp_path / RUNTIME, seed=7))
+    load = {"lora_name": RUNTIME, "lora_path": path}
+    assert httpx.post(url + "/v1/load_lora_adapter", json=load, timeout=60).status_code == 401  # no key
+    bad = httpx.post(url + "/v1/load_lora_adapter", json={**load, "lora_path": str(tmp_path)}, headers=AUTH, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path", bad.text
+    r = httpx.post(url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=120)
+    assert r.status_code == 200 and "added successfully" in r.text, r.text
+    again = httpx.post(url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=60)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name", again.text
+    yaml_one = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "tiny-sql"}, headers=AUTH, timeout=60)
+    assert yaml_one.status_code == 400, yaml_one.text
+
+    # HAProxy spreads GET /v1/models over the pool's 6 replicas: every one lists it once it has read the registry
+    assert wait_for(lambda: all(RUNTIME in _listed(client) for _ in range(12)), 20, 0.5), "listed by every replica"
+    assert getattr(_listed(client)[RUNTIME], "parent", None) == MODEL
+    texts = {name: complete(client, name)[0] for name in (MODEL, "tiny-sql", RUNTIME)}
+    assert len(set(texts.values())) == 3, texts  # the new adapter's own weights at work
+    chosen = [complete(client, RUNTIME, prompt=f"request {i}")[1] for i in range(6)]
+    assert len(set(chosen)) == 1, chosen  # kept on the replica that loaded it
+
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": RUNTIME}, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and "removed successfully" in r.text, r.text
+    assert wait_for(lambda: all(RUNTIME not in _listed(client) for _ in range(12)), 20, 0.5)
+
+    def refused() -> bool:
+        try:
+            complete(client, RUNTIME)
+        except openai.NotFoundError:
+            return True
+        return False
+
+    assert wait_for(lambda: all(refused() for _ in range(6)), 20, 0.5), "the unloaded adapter is a 404 everywhere"
+    gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": RUNTIME}, headers=AUTH, timeout=60)
+    assert gone.status_code == 404, gone.text
