@@ -122,7 +122,7 @@ class ReplicaFront:
         if path == "/openapi.json" and method == "GET":  # what a client may send (public, as vLLM's own)
             if self._openapi is None:
                 self._openapi = build_openapi(self._app.openapi(), POST_ROUTES, self._batch_api is not None,
-                                              self._keys is not None)
+                                              self._keys is not None, runtime_lora=self.runtime_lora is not None)
             await send_json(send, 200, self._openapi)
             return
         headers = scope.get("headers") or []

@@ -80,6 +80,25 @@ BATCH_PATHS: dict[str, Any] = {
                  "responses": {**_OK, **_errors(401, 404, 409)}}},
 }
 
+_TEXT_OK = {"200": {"description": "Done (plain text, as vLLM's server answers)", "content": {"text/plain": {
+    "schema": {"type": "string"}}}}}
+# vLLM's adapter routes, where a model has `lora.runtime_loading` (deployments/lora_runtime.py); `model` is Summit's
+LORA_PATHS: dict[str, Any] = {
+    "/v1/load_lora_adapter": {"post": {
+        "summary": "Load a LoRA adapter into a model's replicas", "operationId": "load_lora_adapter",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["lora_name", "lora_path"],
+            "properties": {"lora_name": {"type": "string", "pattern": "^\\S+$"},
+                           "lora_path": {"type": "string", "minLength": 1},
+                           "model": {"type": "string", "description": "The base model, where several allow it"}}}}}},
+        "responses": {**_TEXT_OK, **_errors(400, 401, 404, 503)}}},
+    "/v1/unload_lora_adapter": {"post": {
+        "summary": "Unload an adapter loaded at run time", "operationId": "unload_lora_adapter",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["lora_name"], "properties": {"lora_name": {"type": "string"}}}}}},
+        "responses": {**_TEXT_OK, **_errors(400, 401, 404, 503)}}},
+}
+
 HEALTH = {"get": {"summary": "200 while this replica's engine lives, else 503", "operationId": "health",
                   "security": [], "responses": {"200": {"description": "Healthy"}, "503": {"description": "Dead"}}}}
 
@@ -96,9 +115,11 @@ def _refs(node: Any) -> Iterable[str]:
             yield from _refs(value)
 
 
-def build(vllm_doc: dict, routes: Iterable[str], batch: bool, keys: bool, title: str = "Summit") -> dict:
+def build(vllm_doc: dict, routes: Iterable[str], batch: bool, keys: bool, title: str = "Summit",
+          runtime_lora: bool = False) -> dict:
     """Summit's document from vLLM's (`app.openapi()`): vLLM's operations for `routes` (POST) and GET /v1/models,
-    with the answers Summit gives, plus Summit's own routes; only the schemas those reference."""
+    with the answers Summit gives, plus Summit's own routes (the Batch API's with `batch`, the adapter routes with
+    `runtime_lora`); only the schemas those reference."""
     paths: dict[str, Any] = {"/health": HEALTH}
     for route in sorted(routes):
         if "post" not in vllm_doc["paths"].get(route, {}):
@@ -112,6 +133,8 @@ def build(vllm_doc: dict, routes: Iterable[str], batch: bool, keys: bool, title:
     paths["/v1/models"] = {"get": models}
     if batch:
         paths.update(copy.deepcopy(BATCH_PATHS))
+    if runtime_lora:
+        paths.update(copy.deepcopy(LORA_PATHS))
     all_schemas = vllm_doc.get("components", {}).get("schemas", {})
     schemas: dict[str, Any] = {}
     todo = list(_refs(paths))

@@ -164,3 +164,44 @@ def test_an_empty_adapter_list_needs_runtime_loading():
     config["models"][0]["lora"]["runtime_loading"] = False
     with pytest.raises(ValueError, match="runtime_loading: true"):
         SummitConfig.model_validate(config)
+
+
+def test_the_front_serves_the_routes_behind_the_key_and_documents_them(tmp_path):
+    """Through the replica's ASGI front (a fake engine app): 404 while runtime loading is off; with it on, 401
+    without the key, vLLM's plain-text 200, an OpenAI-shaped 400 naming the field, and the two operations in
+    /openapi.json."""
+    from deployments.front import ReplicaFront
+    from tests.unit.test_front import EchoEngineApp, call
+
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    engine = EchoEngineApp()
+    engine.openapi = lambda: {"paths": {}, "components": {"schemas": {}}}  # vLLM's document: no OpenAI routes here
+    app = ReplicaFront(engine, "a", ["a"], [b"k1"], lambda: False, "replica-1", {})
+    key = {"authorization": "Bearer k1"}
+    body = {"lora_name": "sql", "lora_path": str(adapter)}
+    assert asyncio.run(call(app, "POST", "/v1/load_lora_adapter", body, key)).status_code == 404
+
+    loaded = []
+
+    async def load(name, path):
+        loaded.append(name)
+
+    async def unload(name):
+        loaded.remove(name)
+
+    app.adapters = Adapters({}, 2, load, unload)
+    app.runtime_lora = RuntimeAdapters(_Handle(AdapterRegistry()), ["a"], set())
+    assert asyncio.run(call(app, "POST", "/v1/load_lora_adapter", body)).status_code == 401
+    r = asyncio.run(call(app, "POST", "/v1/load_lora_adapter", body, key))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain") and loaded == ["sql"], r.text
+    bad = asyncio.run(call(app, "POST", "/v1/load_lora_adapter", {"lora_name": "x"}, key))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    assert asyncio.run(call(app, "GET", "/v1/load_lora_adapter", None, key)).status_code == 405
+    models = asyncio.run(call(app, "GET", "/v1/models", None, key)).json()["data"]
+    assert [m["id"] for m in models if m.get("parent") == "a"] == ["sql"]
+    assert asyncio.run(call(app, "POST", "/v1/unload_lora_adapter", {"lora_name": "sql"}, key)).status_code == 200
+    assert loaded == []
+    doc = asyncio.run(call(app, "GET", "/openapi.json")).json()
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(doc["paths"])
