@@ -11,10 +11,11 @@ STAMP="$VENV/.summit-setup"
 want="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS"
 
 # The monitoring tests run Debian's Prometheus and Chromium (headless), the SLURM test Debian's slurmctld, slurmd and
-# munge: installed with apt where we are root.
-APT_PACKAGES="prometheus chromium slurmctld slurmd slurm-client munge"
+# munge, the cluster launcher test sshd and rsync: installed with apt where we are root.
+APT_PACKAGES="prometheus chromium slurmctld slurmd slurm-client munge openssh-server rsync"
 if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null || ! command -v slurmctld >/dev/null \
-    || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+    || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null || ! [ -x /usr/sbin/sshd ] \
+    || ! command -v rsync >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     t_apt=$(date +%s)
     apt-get update -qq >/dev/null
@@ -22,7 +23,7 @@ if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null || ! c
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $APT_PACKAGES >/dev/null
     echo "setup: $APT_PACKAGES installed in $(( $(date +%s) - t_apt )) s"
   else
-    echo "setup: some of $APT_PACKAGES missing; as root: apt-get install $APT_PACKAGES (tests/cpu/test_monitoring.py, tests/cpu/test_slurm.py)"
+    echo "setup: some of $APT_PACKAGES missing; as root: apt-get install $APT_PACKAGES (tests/cpu/test_monitoring.py, test_slurm.py, test_launcher.py)"
   fi
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

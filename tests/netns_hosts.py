@@ -88,3 +88,78 @@ class NetnsHost:
                 ip.link("del", index=index)  # removes its peer in the namespace too
         if self.name in netns.listnetns():
             netns.remove(self.name)
+
+
+@dataclass
+class Node:
+    """One of two hosts joined directly by one veth pair (`link_pair`): its name, address, namespace and veth end."""
+
+    name: str
+    ip: str
+    netns: str
+    veth: str
+
+    @property
+    def prefix(self) -> list[str]:
+        """Run a command on this node: its network namespace and a PID namespace of its own (Ray finds its raylet
+        by process name; it must not see another node's)."""
+        return ["nsenter", f"--net={NETNS_DIR}/{self.netns}", "unshare", "--pid", "--fork", "--mount-proc"]
+
+    @property
+    def net_prefix(self) -> list[str]:
+        return ["nsenter", f"--net={NETNS_DIR}/{self.netns}"]
+
+
+def link_pair(nodes: list[Node], default_route: bool = False) -> None:
+    """Two network namespaces joined by one veth pair, each with its address and loopback up. `default_route`: each
+    host's default route goes out its veth (to the other host, which drops it: nothing leaves the pair), so that
+    software that finds "its" address from the default route (Ray's node IP) finds the pair's, as on a real host."""
+    from pyroute2 import IPRoute, NetNS, netns
+
+    unlink_pair(nodes)
+    for node in nodes:
+        netns.create(node.netns)
+    a, b = nodes
+    with IPRoute() as ip:
+        ip.link("add", ifname=a.veth, kind="veth", peer=b.veth)
+        ip.link("set", index=ip.link_lookup(ifname=a.veth)[0], net_ns_fd=a.netns)
+        ip.link("set", index=ip.link_lookup(ifname=b.veth)[0], net_ns_fd=b.netns)
+    for node in nodes:
+        with NetNS(node.netns) as ns:
+            index = ns.link_lookup(ifname=node.veth)[0]
+            ns.addr("add", index=index, address=node.ip, prefixlen=24)
+            ns.link("set", index=index, state="up")
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+            if default_route:
+                ns.route("add", dst="0.0.0.0/0", oif=index)
+
+
+def unlink_pair(nodes: list[Node]) -> None:
+    from pyroute2 import netns
+
+    for node in nodes:
+        if node.netns in netns.listnetns():
+            netns.remove(node.netns)  # removes the veth end inside it, and so the pair
+
+
+def hosts_available(*tools: str) -> bool:
+    """Root, these programs, util-linux's namespace tools and pyroute2: what two linked hosts with daemons need."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in (*tools, "nsenter", "unshare")):
+        return False
+    try:
+        import pyroute2  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# The official client against a host's endpoint, run on that host's network: the models it lists and 8 tokens.
+OPENAI_CHECK = """
+import json, sys
+import openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=120)
+models = [m.id for m in client.models.list().data]
+r = client.completions.create(model=models[0], prompt="Over the ridge", max_tokens=8, temperature=0,
+                              extra_body={"ignore_eos": True})
+print(json.dumps({"models": models, "tokens": r.usage.completion_tokens}))
+"""

@@ -19,38 +19,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NETNS_DIR = "/run/netns"
+from tests.netns_hosts import Node, hosts_available, link_pair, unlink_pair
+
 SUBNET = "10.252.0"
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "nsenter", "unshare")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch")
 
 
 def slurm_available() -> bool:
     """Root, Debian's SLURM and munge, util-linux's namespace tools and pyroute2."""
-    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in DAEMONS):
-        return False
-    try:
-        import pyroute2  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@dataclass
-class Node:
-    name: str
-    ip: str
-    netns: str
-    veth: str
-
-    @property
-    def prefix(self) -> list[str]:
-        """Run a command on this node: its network namespace and a PID namespace of its own (Ray finds its raylet
-        by process name; it must not see another node's)."""
-        return ["nsenter", f"--net={NETNS_DIR}/{self.netns}", "unshare", "--pid", "--fork", "--mount-proc"]
-
-    @property
-    def net_prefix(self) -> list[str]:
-        return ["nsenter", f"--net={NETNS_DIR}/{self.netns}"]
+    return hosts_available(*DAEMONS)
 
 
 @dataclass
@@ -79,29 +56,10 @@ class SlurmCluster:
 
     # -- namespaces ---------------------------------------------------------------------------------------------
     def _net_up(self) -> None:
-        from pyroute2 import IPRoute, NetNS, netns
-
-        self._net_down()
-        for node in self.nodes:
-            netns.create(node.netns)
-        a, b = self.nodes
-        with IPRoute() as ip:
-            ip.link("add", ifname=a.veth, kind="veth", peer=b.veth)
-            ip.link("set", index=ip.link_lookup(ifname=a.veth)[0], net_ns_fd=a.netns)
-            ip.link("set", index=ip.link_lookup(ifname=b.veth)[0], net_ns_fd=b.netns)
-        for node in self.nodes:
-            with NetNS(node.netns) as ns:
-                index = ns.link_lookup(ifname=node.veth)[0]
-                ns.addr("add", index=index, address=node.ip, prefixlen=24)
-                ns.link("set", index=index, state="up")
-                ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        link_pair(self.nodes)
 
     def _net_down(self) -> None:
-        from pyroute2 import netns
-
-        for node in self.nodes:
-            if node.netns in netns.listnetns():
-                netns.remove(node.netns)  # removes the veth end inside it, and so the pair
+        unlink_pair(self.nodes)
 
     # -- daemons ------------------------------------------------------------------------------------------------
     def _spawn(self, cmd: list[str], log: str) -> subprocess.Popen:

@@ -26,20 +26,11 @@ import pytest
 import yaml
 
 from tests.cpu.engine_apps import REPO
+from tests.netns_hosts import OPENAI_CHECK
 from tests.slurm_cluster import SlurmCluster, slurm_available
 
 pytestmark = [pytest.mark.skipif(not slurm_available(), reason="needs root, slurmctld/slurmd/munge and pyroute2"),
               pytest.mark.timeout(1200)]
-
-CLIENT = """
-import json, sys
-import openai
-client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=120)
-models = [m.id for m in client.models.list().data]
-r = client.completions.create(model=models[0], prompt="Over the ridge", max_tokens=8, temperature=0,
-                              extra_body={"ignore_eos": True})
-print(json.dumps({"models": models, "tokens": r.usage.completion_tokens}))
-"""
 
 STREAM = """
 import json, sys
@@ -132,7 +123,8 @@ def wait_ready(slurm: SlurmCluster, job: Job, timeout_s: float = 900) -> dict:
 
 
 def ask(slurm: SlurmCluster, port: int, timeout: float = 180) -> dict:
-    answer = subprocess.run([*slurm.head.net_prefix, sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}/v1"],
+    answer = subprocess.run([*slurm.head.net_prefix, sys.executable, "-c", OPENAI_CHECK,
+                             f"http://127.0.0.1:{port}/v1"],
                             capture_output=True, text=True, timeout=timeout)
     assert answer.returncode == 0, answer.stderr[-3000:]
     return json.loads(answer.stdout.strip().splitlines()[-1])
