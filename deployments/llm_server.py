@@ -193,6 +193,7 @@ class LLMServer:
             "pid": os.getpid(),
             "num_unfinished_requests": vllm_adapter.num_unfinished_requests(self._engine_app.engine),
             "kv_cache_usage": vllm_adapter.kv_cache_usage(),
+            "generation_tokens": vllm_adapter.generation_tokens(),
         }
 
     def recent_spans(self, trace_id: str | None = None) -> dict:

@@ -278,6 +278,15 @@ def kv_cache_usage() -> float | None:
     return max(values) if values else None
 
 
+def generation_tokens() -> int | None:
+    """Tokens this process's engine has generated so far, aborted requests' included (vLLM's
+    `vllm:generation_tokens` counter, updated every engine step); None with metrics off."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    values = [m.value for m in get_metrics_snapshot() if isinstance(m, Counter) and m.name == "vllm:generation_tokens"]
+    return sum(values) if values else None
+
+
 async def start_engine_app(args: Namespace, metrics: bool = True) -> EngineApp:
     """vLLM's AsyncLLM and its OpenAI app; `metrics`: vLLM records its stats in this process (its default
     prometheus_client logger, which `engine_metric_samples` reads); False: none at all, as with `disable_log_stats`."""

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . "${SUMMIT_VENV:-.venv}/bin/activate"
-exec python -m pytest tests -q -p no:cacheprovider --timeout 900 "$@"
+exec python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=40 "$@"

@@ -210,6 +210,10 @@ class LocalCluster:
             for p in alive:
                 _signal(p, signal.SIGKILL)
             psutil.wait_procs(alive, timeout=10)
+        if keep := os.environ.get("SUMMIT_KEEP_LOGS"):  # a failure's story: the cluster's logs, kept under that folder
+            logs = self.temp_dir / "session_latest" / "logs"
+            if logs.is_dir():
+                shutil.copytree(logs, Path(keep) / self.temp_dir.name, dirs_exist_ok=True)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _wait(self, ready, timeout_s: float, what: str) -> None:
