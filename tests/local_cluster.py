@@ -28,6 +28,8 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "RAY_USAGE_STATS_ENABLED": "0",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # Ray waits 30 s for its GCS to write its port; a loaded 2-core CI box took longer once
+        "RAY_gcs_server_port_wait_time_s": os.environ.get("RAY_gcs_server_port_wait_time_s", "120"),
     })
     env.update(extra or {})
     return env

@@ -6,15 +6,33 @@ project's own test addresses (10.251.x.0/24) are used; nothing is routed anywher
 
 Built with pyroute2 (netlink from Python, a test dependency) and util-linux's `nsenter`/`unshare`, not iproute2:
 the GPU host has no `ip` command, and the same code must run there.
+
+pyroute2 forks (a named namespace is made, and entered, by a child process). A fork of the test process, which may
+hold a Ray driver's gRPC threads, can deadlock in the child (one CI run hung there for 15 min): every pyroute2 call
+runs in a fresh Python process (`python -m tests.netns_hosts OP ARGS`), single-threaded when it forks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 NETNS_DIR = "/run/netns"  # where pyroute2 (like `ip netns`) bind-mounts a named namespace
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fresh(op: str, *args) -> None:
+    """`op` of `_OPS` with `args` (JSON), in a new Python process; RuntimeError with its stderr if it fails."""
+    run = subprocess.run([sys.executable, "-m", "tests.netns_hosts", op, json.dumps(args)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode != 0:
+        raise RuntimeError(f"netns {op} failed: {run.stderr[-3000:]}")
 
 
 def netns_available() -> bool:
@@ -22,16 +40,21 @@ def netns_available() -> bool:
     if os.geteuid() != 0 or not (shutil.which("nsenter") and shutil.which("unshare")):
         return False
     try:
-        from pyroute2 import netns
+        import pyroute2  # noqa: F401
     except ImportError:
         return False
-    probe = f"summit-probe-{os.getpid()}"
     try:
-        netns.create(probe)
-        netns.remove(probe)
+        _fresh("probe", f"summit-probe-{os.getpid()}")
         return True
-    except Exception:
+    except (RuntimeError, subprocess.TimeoutExpired):
         return False
+
+
+def _probe(name: str) -> None:
+    from pyroute2 import netns
+
+    netns.create(name)
+    netns.remove(name)
 
 
 @dataclass
@@ -63,9 +86,16 @@ class NetnsHost:
         return ["nsenter", f"--net={NETNS_DIR}/{self.name}", "unshare", "--pid", "--fork", "--mount-proc"]
 
     def up(self) -> NetnsHost:
+        _fresh("host_up", self.subnet, self.name)
+        return self
+
+    def down(self) -> None:
+        _fresh("host_down", self.subnet, self.name)
+
+    def _up(self) -> None:
         from pyroute2 import IPRoute, NetNS, netns
 
-        self.down()  # a run killed before down() leaves its veth pair (same names): `link add` would fail
+        self._down()  # a run killed before down() leaves its veth pair (same names): `link add` would fail
         netns.create(self.name)
         with IPRoute() as ip:
             ip.link("add", ifname=self.root_if, kind="veth", peer=self.host_if)
@@ -78,9 +108,8 @@ class NetnsHost:
             ns.addr("add", index=host, address=self.host_ip, prefixlen=24)
             ns.link("set", index=host, state="up")
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-        return self
 
-    def down(self) -> None:
+    def _down(self) -> None:
         from pyroute2 import IPRoute, netns
 
         with IPRoute() as ip:
@@ -114,9 +143,17 @@ def link_pair(nodes: list[Node], default_route: bool = False) -> None:
     """Two network namespaces joined by one veth pair, each with its address and loopback up. `default_route`: each
     host's default route goes out its veth (to the other host, which drops it: nothing leaves the pair), so that
     software that finds "its" address from the default route (Ray's node IP) finds the pair's, as on a real host."""
+    _fresh("link_pair", [dataclasses.asdict(n) for n in nodes], default_route)
+
+
+def unlink_pair(nodes: list[Node]) -> None:
+    _fresh("unlink_pair", [dataclasses.asdict(n) for n in nodes])
+
+
+def _link_pair(nodes: list[Node], default_route: bool) -> None:
     from pyroute2 import IPRoute, NetNS, netns
 
-    unlink_pair(nodes)
+    _unlink_pair(nodes)
     for node in nodes:
         netns.create(node.netns)
     a, b = nodes
@@ -134,7 +171,7 @@ def link_pair(nodes: list[Node], default_route: bool = False) -> None:
                 ns.route("add", dst="0.0.0.0/0", oif=index)
 
 
-def unlink_pair(nodes: list[Node]) -> None:
+def _unlink_pair(nodes: list[Node]) -> None:
     from pyroute2 import netns
 
     for node in nodes:
@@ -163,3 +200,15 @@ r = client.completions.create(model=models[0], prompt="Over the ridge", max_toke
                               extra_body={"ignore_eos": True})
 print(json.dumps({"models": models, "tokens": r.usage.completion_tokens}))
 """
+
+
+_OPS = {
+    "probe": _probe,
+    "host_up": lambda subnet, name: NetnsHost(subnet, name)._up(),
+    "host_down": lambda subnet, name: NetnsHost(subnet, name)._down(),
+    "link_pair": lambda nodes, default_route: _link_pair([Node(**n) for n in nodes], default_route),
+    "unlink_pair": lambda nodes: _unlink_pair([Node(**n) for n in nodes]),
+}
+
+if __name__ == "__main__":
+    _OPS[sys.argv[1]](*json.loads(sys.argv[2]))

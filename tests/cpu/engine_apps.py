@@ -70,6 +70,14 @@ def replica_ports(cluster: LocalCluster) -> list[tuple[str, int]]:
     return sorted({(h, int(p)) for h, p in re.findall(r"server SERVE_REPLICA\S+ (\S+):(\d+) check", config)})
 
 
+def serve_log_lines(cluster: LocalCluster, needle: str) -> str:
+    """Lines of the cluster's Serve logs (proxy, controller, replicas) that mention `needle`, with their file's name."""
+    lines = []
+    for path in sorted((cluster.temp_dir / "session_latest/logs/serve").glob("*.log")):
+        lines += [f"{path.name}: {line}" for line in path.read_text(errors="replace").splitlines() if needle in line]
+    return "\n".join(lines[-40:])
+
+
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -6,6 +6,7 @@ import threading
 import time
 
 from tests.cpu.conftest import MAX_MODEL_LEN, MODEL
+from tests.cpu.engine_apps import serve_log_lines
 
 # The dropped stream asks for far more tokens than the control one: had it not been aborted, the engine would
 # generate both in full. What the engine generated in all (its own counter) tells the two apart without timing:
@@ -34,14 +35,6 @@ def wait_for(predicate, timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def serve_log_lines(cluster, needle: str) -> str:
-    """Lines of the cluster's Serve logs (proxy, ingress, replicas) that mention `needle`: the failure's story."""
-    lines = []
-    for path in sorted((cluster.temp_dir / "session_latest/logs/serve").glob("*.log")):
-        lines += [f"{path.name}: {line}" for line in path.read_text(errors="replace").splitlines() if needle in line]
-    return "\n".join(lines[-40:])
 
 
 class EngineWatch:

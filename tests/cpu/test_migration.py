@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.cpu.engine_apps import deployed, replica_ports, running_replicas, tiny_model, wait_for
+from tests.cpu.engine_apps import deployed, replica_ports, running_replicas, serve_log_lines, tiny_model, wait_for
 from tests.engine_checks import engine_core_processes
 from tests.ray_metrics import scrape, total
 
@@ -44,7 +44,7 @@ def app(tiny_model_dir):
         yield cluster
 
 
-async def run_streams(base_url: str, strike=None) -> dict[str, dict]:
+async def run_streams(base_url: str, strike=None, request_ids: dict[str, str] | None = None) -> dict[str, dict]:
     """The four temperature-0 streams of CASES at once, each read to its end: text, token ids (when asked), usage,
     ids, errors, replica. One event loop reads them all (fair: with a thread each, on 2 cores, CI saw one stream's
     reader 2,500 events ahead of another's); lines are parsed after the end. `strike(progress)`, when given, runs
@@ -55,7 +55,8 @@ async def run_streams(base_url: str, strike=None) -> dict[str, dict]:
     async def one(client: httpx.AsyncClient, name: str, path: str, extra: dict) -> None:
         body = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}, **extra}
-        async with client.stream("POST", path, json=body) as r:
+        headers = {"x-request-id": request_ids[name]} if request_ids else {}
+        async with client.stream("POST", path, json=body, headers=headers) as r:
             replicas[name] = r.headers.get("x-summit-replica")
             assert r.status_code == 200, await r.aread()
             async for line in r.aiter_lines():
@@ -89,46 +90,71 @@ def parsed(lines: list[str]) -> dict:
     return seen
 
 
-def test_streams_resume_on_another_replica_token_for_token(app):
-    reference = asyncio.run(run_streams(app.base_url))
-    assert all(r["usage"]["completion_tokens"] == TOKENS and not r["errors"] for r in reference.values())
-
+def strike_once(app, reference: dict[str, dict]) -> set[str]:
+    """The four streams to one replica, whose engine is killed once each has its first events; every stream must
+    still equal its reference. The streams resumed elsewhere (the replica's log and Ray's counter agree); a stream
+    the engine had finished before it died (the tiny model outruns a starved client) needed none."""
     # the victim's engine processes are found before the streams start: Ray's state API takes seconds on 2 cores
-    host, port = replica_ports(app)[0]
-    probe = httpx.post(f"http://{host}:{port}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "Which replica?", "max_tokens": 1})
-    assert probe.status_code == 200, probe.text
-    victim = probe.headers["x-summit-replica"]
+    answered: dict = {}
+
+    def a_replica_answers() -> bool:  # after an earlier strike HAProxy's config may still name the dead replica
+        for host, port in replica_ports(app):
+            try:
+                r = httpx.post(f"http://{host}:{port}/v1/completions", timeout=60,
+                               json={"model": MODEL, "prompt": "Which replica?", "max_tokens": 1})
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                answered.update(host=host, port=port, victim=r.headers["x-summit-replica"])
+                return True
+        return False
+
+    assert wait_for(a_replica_answers, 120, 1), replica_ports(app)
+    host, port, victim = answered["host"], answered["port"], answered["victim"]
     actor = next(a for a in app.alive_actors() if a["class_name"].endswith(POOL) and a["name"].endswith(victim))
     cores = engine_core_processes(actor["pid"])
     assert cores
     migrations_before = migrations(app)
-    at_kill: dict[str, int] = {}
+    request_ids = {name: f"migrate-{i}-{time.time_ns()}" for i, name in enumerate(CASES)}
 
-    async def strike(progress: dict[str, list]) -> None:  # once every stream is under way and none near its end
+    async def strike(progress: dict[str, list]) -> None:  # as soon as every stream is under way
         deadline = time.monotonic() + 120
-        while not all(len(p) >= 40 for p in progress.values()):
+        while not all(progress.values()):
             assert time.monotonic() < deadline, {name: len(p) for name, p in progress.items()}
             await asyncio.sleep(0.01)
-        at_kill.update({name: len(p) for name, p in progress.items()})
         for proc in cores:
             proc.kill()
 
-    migrated = asyncio.run(run_streams(f"http://{host}:{port}", strike))
+    migrated = asyncio.run(run_streams(f"http://{host}:{port}", strike, request_ids))
 
     for name, seen in migrated.items():
         ref = reference[name]
         assert seen["replica"] == victim, (name, seen["replica"], victim)  # one replica's own port
-        assert at_kill[name] < ref["events"] - 10, (name, at_kill, ref["events"])
         assert not seen["errors"] and seen["done"], (name, seen["errors"])
         assert len(seen["chunk_ids"]) == 1, f"{name}: one stream id throughout, got {seen['chunk_ids']}"
         assert seen["usage"] == ref["usage"], name
         if ref["ids"]:
             assert len(seen["ids"]) == TOKENS and seen["ids"] == ref["ids"], name
         assert seen["text"] == ref["text"], name
+    resumed = {name for name, rid in request_ids.items()
+               if f"request {rid} resumed on another replica" in serve_log_lines(app, rid)}
+    # Ray exports metrics every few seconds; a loaded CI box took over 30 s once
+    assert wait_for(lambda: migrations(app) - migrations_before == len(resumed), 120, 1), (migrations(app), resumed)
+    return resumed
+
+
+def test_streams_resume_on_another_replica_token_for_token(app):
+    reference = asyncio.run(run_streams(app.base_url))
+    assert all(r["usage"]["completion_tokens"] == TOKENS and not r["errors"] for r in reference.values())
+    tries = []
+    for _ in range(2):  # a second strike only if the first found a stream already finished in its engine
+        tries.append(strike_once(app, reference))
+        if len(tries[-1]) == len(CASES):
+            break
+        assert wait_for(lambda: len(running_replicas(app, POOL)) == 2, 360, 1)  # Serve replaced the victim
+    print(f"streams resumed, by strike: {[sorted(t) for t in tries]}")
     # each stream went on from another replica (not merely ended before the strike: the client may read behind)
-    # Ray exports metrics every few seconds; a loaded CI box took over 30 s once (counted 2 of 4 by then)
-    assert wait_for(lambda: migrations(app) - migrations_before == len(CASES), 120, 1), migrations(app)
+    assert len(tries[-1]) == len(CASES), tries
 
 
 def migrations(cluster) -> float:

@@ -8,6 +8,7 @@ after it. The handle lives in the test process, so the routers run here exactly 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,11 +36,13 @@ def serve_fakes():
     from ray import serve
 
     temp_dir = tempfile.mkdtemp(prefix="summit-routing-fake-", dir="/tmp")
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, _node_ip_address="127.0.0.1",
-        logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )
-    try:
+    # Ray waits 30 s for its GCS to write its port; a loaded 2-core CI box took longer once
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+    try:  # a failed start is shut down too: a half-started driver left in this process breaks later forks
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, _node_ip_address="127.0.0.1",
+            logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+        )
         serve.start(proxy_location="Disabled")
         handles = {}
         for policy in ("session_affinity", "prefix_affinity"):
@@ -50,7 +53,8 @@ def serve_fakes():
             handles[policy] = serve.run(fake.bind(), name=f"fake-{policy}", route_prefix=None)
         yield handles
     finally:
-        serve.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
