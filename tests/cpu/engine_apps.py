@@ -70,12 +70,17 @@ def replica_ports(cluster: LocalCluster) -> list[tuple[str, int]]:
     return sorted({(h, int(p)) for h, p in re.findall(r"server SERVE_REPLICA\S+ (\S+):(\d+) check", config)})
 
 
-def serve_log_lines(cluster: LocalCluster, needle: str) -> str:
-    """Lines of the cluster's Serve logs (proxy, controller, replicas) that mention `needle`, with their file's name."""
+def serve_log_matches(cluster: LocalCluster, needle: str) -> list[str]:
+    """Every line of the cluster's Serve logs (proxy, controller, replicas) that holds `needle`, after its file's name."""
     lines = []
-    for path in sorted((cluster.temp_dir / "session_latest/logs/serve").glob("*.log")):
+    for path in sorted((cluster.temp_dir / "session_latest/logs/serve").rglob("*.log")):
         lines += [f"{path.name}: {line}" for line in path.read_text(errors="replace").splitlines() if needle in line]
-    return "\n".join(lines[-40:])
+    return lines
+
+
+def serve_log_lines(cluster: LocalCluster, needle: str) -> str:
+    """The last 40 of those lines, for a failure's story."""
+    return "\n".join(serve_log_matches(cluster, needle)[-40:])
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:

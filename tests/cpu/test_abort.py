@@ -6,7 +6,7 @@ import threading
 import time
 
 from tests.cpu.conftest import MAX_MODEL_LEN, MODEL
-from tests.cpu.engine_apps import serve_log_lines
+from tests.cpu.engine_apps import serve_log_lines, serve_log_matches
 
 # The dropped stream asks for far more tokens than the control one: had it not been aborted, the engine would
 # generate both in full. What the engine generated in all (its own counter) tells the two apart without timing:
@@ -95,7 +95,7 @@ def drop_one_stream(client, llm_handle, summit) -> tuple[str, str]:
 
     def replica_outcome() -> str | None:
         # the replica says so in its Serve log (what the dashboard shows), after vLLM's start-up reconfigured logging
-        lines = [line for line in serve_log_lines(summit, dropped_id).splitlines() if "LLMServer" in line]
+        lines = [line for line in serve_log_matches(summit, dropped_id) if "LLMServer" in line]
         if any("cancelled by its caller" in line for line in lines):
             return "aborted"
         if any(" 200 " in line for line in lines):

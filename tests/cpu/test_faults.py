@@ -23,7 +23,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.cpu.engine_apps import deployed, deployment_details, running_replicas, tiny_model, wait_for
+from tests.cpu.engine_apps import (deployed, deployment_details, running_replicas, serve_log_matches, tiny_model,
+                                   wait_for)
 from tests.engine_checks import engine_core_processes
 
 # The default run (CI) takes the engine, replica and route-picker cases (≈ 4 min); the full suite (≈ 10 min) is
@@ -115,19 +116,16 @@ class Load:
 
         def on_start(replica: str | None) -> None:
             started.append(replica)
-            self.release(replica)
+            if replica:
+                with self._lock:
+                    self._running[replica] += 1
+            self._started.release()
 
         outcome = stream(base_url, name, on_start, tokens, greedy)
         if started and started[0]:
             with self._lock:
                 self._running[started[0]] -= 1
         return outcome
-
-    def release(self, replica: str | None) -> None:
-        if replica:
-            with self._lock:
-                self._running[replica] += 1
-        self._started.release()
 
     def wait_started(self, k: int, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -208,7 +206,7 @@ def test_engine_killed_under_50_streams(faults):
     recovered = answers(faults.base_url)
     on_victim = [o for o in outcomes if o.replica == victim]
     f = figures("engine killed", outcomes, **recovered, on_victim=len(on_victim),
-                resumed=_serve_log_lines(faults, "resumed on another replica"),
+                resumed=len(serve_log_matches(faults, "resumed on another replica")),
                 greedy_on_victim_completed=sum(o.greedy and o.kind == "completed" for o in on_victim),
                 sampled_on_victim_errors=sum(not o.greedy and o.kind != "completed" for o in on_victim))
     assert f["hung"] == 0 and f["lost"] == 0, [o for o in outcomes if o.kind in ("hung", "lost")]
@@ -240,12 +238,6 @@ def test_replica_actor_killed_under_streams(faults):
     assert f["cut"] + f["error_event"] >= 1, outcomes  # the victim's streams end with an error the client sees
     assert all(o.kind == "completed" for o in outcomes if o.replica and o.replica != victim), outcomes
     two_running(faults)
-
-
-def _serve_log_lines(cluster, text: str) -> int:
-    """How many lines of the cluster's Serve logs (replicas, controller) hold `text`."""
-    logs = cluster.temp_dir / "session_latest" / "logs" / "serve"
-    return sum(f.read_text(errors="replace").count(text) for f in logs.rglob("*.log") if f.is_file())
 
 
 def _haproxies(cluster) -> list[psutil.Process]:
