@@ -5,43 +5,43 @@ from __future__ import annotations
 import argparse
 import sys
 
+from app.clusters.sbatch_args import sbatch_arguments
+
 DEFAULT_TINY_MODEL = "~/.cache/summit/models/tiny-llama"
+DISTRIBUTION = "summit-serve"  # pip's name for Summit (`summit` on PyPI is another project)
 
 
 def _make_tiny_model(ns: argparse.Namespace) -> int:
-    from app.tiny_model import make_tiny_model
+    from app.clusters.tiny_model import make_tiny_model
 
     print(make_tiny_model(ns.dir, seed=ns.seed, hidden_size=ns.hidden_size, arch=ns.arch))
     return 0
 
 
 def _make_tiny_lora(ns: argparse.Namespace) -> int:
-    from app.lora import make_tiny_lora
+    from app.clusters.tiny_model import make_tiny_lora
 
     print(make_tiny_lora(ns.base, ns.dir, seed=ns.seed, rank=ns.rank))
     return 0
 
 
 def _make_model_config(ns: argparse.Namespace) -> int:
-    from app.tiny_model import make_model_config
+    from app.clusters.tiny_model import make_model_config
 
     print(make_model_config(ns.preset, ns.dir))
     return 0
 
 
 def _wait_ready(ns: argparse.Namespace) -> int:
-    import time
+    from app.clusters.ready import base_url, wait_and_say
 
-    from app.ready import base_url, wait_ready
+    return 0 if wait_and_say(base_url(ns.config), ns.timeout, while_pid=ns.while_pid) else 1
 
-    url = base_url(ns.config)
-    start = time.monotonic()
-    models = wait_ready(url, ns.timeout, while_pid=ns.while_pid)
-    if models is None:
-        print(f"summit: {url} not answering after {time.monotonic() - start:.0f} s", file=sys.stderr)
-        return 1
-    print(f"summit: ready after {time.monotonic() - start:.0f} s: {url}/v1 serves {', '.join(models)}", flush=True)
-    return 0
+
+def _serve_local(ns: argparse.Namespace) -> int:
+    from app.clusters.local_serve import serve_local
+
+    return serve_local(ns.config, ns.timeout)
 
 
 def _load_shape(model: str):
@@ -49,7 +49,7 @@ def _load_shape(model: str):
     import json
     from pathlib import Path
 
-    from app.planner import load_shape
+    from app.plan.planner import load_shape
 
     path = Path(model).expanduser()
     if path.is_dir():
@@ -62,18 +62,20 @@ def _load_shape(model: str):
 
 
 def _plan(ns: argparse.Namespace) -> int:
-    from app import planner
+    from app.plan import planner
 
     try:
         shape = _load_shape(ns.model)
         budget = planner.Budget(ns.gpu, ns.gpu_memory_utilization, ns.max_num_batched_tokens, ns.max_num_seqs)
         tokens = planner.parse_tokens(ns.context)
         if ns.throughput:
-            from app import throughput
+            from app.plan import throughput
 
             work = throughput.Workload(ns.concurrency, ns.prompt_tokens, ns.output_tokens)
             gpus = ns.gpus or ns.gpus_per_node
-            options = throughput.compare_layouts(shape, ns.gpu, gpus, work, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget)
+            options = throughput.compare_layouts(
+                shape, ns.gpu, gpus, work, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget
+            )
             print(throughput.format_comparison(shape, ns.gpu, gpus, work, options))
             return 0 if options else 1
         print(planner.format_plan(planner.plan(shape, ns.gpu, tokens, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget)))
@@ -86,7 +88,7 @@ def _plan(ns: argparse.Namespace) -> int:
 def _validate(ns: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from app.validate import Hardware, validate_file
+    from app.plan.validate import Hardware, validate_file
 
     try:
         report = validate_file(ns.file, Hardware(ns.gpu, ns.gpus_per_node, ns.nodes))
@@ -107,9 +109,18 @@ def _batch(ns: argparse.Namespace) -> int:
     from app.batch.offline import run
 
     try:
-        summary = run(ns.input, ns.output, ns.config, err_path=ns.errors, address=ns.address,
-                      concurrency=ns.concurrency, app_name=ns.app, progress=not ns.no_progress, ray_data=ns.ray_data,
-                      num_cpus=ns.num_cpus)
+        summary = run(
+            ns.input,
+            ns.output,
+            ns.config,
+            err_path=ns.errors,
+            address=ns.address,
+            concurrency=ns.concurrency,
+            app_name=ns.app,
+            progress=not ns.no_progress,
+            ray_data=ns.ray_data,
+            num_cpus=ns.num_cpus,
+        )
     except (ValueError, OSError) as e:
         print(f"summit batch: error: {e}", file=sys.stderr)
         return 2
@@ -118,28 +129,36 @@ def _batch(ns: argparse.Namespace) -> int:
 
 
 def _kuberay(ns: argparse.Namespace) -> int:
-    from app.kuberay import render_rayservice
+    from app.clusters.kuberay import render_rayservice
 
-    sys.stdout.write(render_rayservice(ns.file, name=ns.name, image=ns.image, gpus_per_node=ns.gpus_per_node,
-                                       models_pvc=ns.models_pvc))
+    sys.stdout.write(
+        render_rayservice(
+            ns.file, name=ns.name, image=ns.image, gpus_per_node=ns.gpus_per_node, models_pvc=ns.models_pvc
+        )
+    )
     return 0
 
 
 def _add_sizing_commands(sub) -> None:
-    from app.planner import GPUS_MIB, KV_BYTES, WEIGHT_BYTES
+    from app.plan.planner import GPUS_MIB, KV_BYTES, WEIGHT_BYTES
 
     p = sub.add_parser("plan", help="weights + KV cache → GPUs, suggested TP / PP / nodes")
-    p.add_argument("--model", required=True, help="preset (llama-3.1-8b|70b|405b, or 8b|70b|405b) or path to config.json")
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS_MIB))
+    p.add_argument(
+        "--model", required=True, help="preset (llama-3.1-8b|70b|405b, or 8b|70b|405b) or path to config.json"
+    )
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS_MIB), help="the GPU model (its memory)")
     p.add_argument("--context", default="131072", help="tokens of one sequence: 131072, 128k (=128,000) or 128Ki")
     p.add_argument("--dtype", default="bf16", choices=list(WEIGHT_BYTES), help="weights")
     p.add_argument("--kv-dtype", default="bf16", choices=list(KV_BYTES), help="KV cache")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node (TP stays inside a node)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU's memory vLLM may use")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill chunk (activation headroom)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="batch size (sampler headroom)")
-    p.add_argument("--throughput", action="store_true",
-                   help="compare replicas × TP layouts of --gpus GPUs by estimated tokens/s (a roofline)")
+    p.add_argument(
+        "--throughput",
+        action="store_true",
+        help="compare replicas × TP layouts of --gpus GPUs by estimated tokens/s (a roofline)",
+    )
     p.add_argument("--gpus", type=int, help="--throughput: GPUs to divide (default: --gpus-per-node)")
     p.add_argument("--concurrency", type=int, default=256, help="--throughput: streams in flight, all replicas")
     p.add_argument("--prompt-tokens", type=int, default=128, help="--throughput: prompt length")
@@ -147,104 +166,144 @@ def _add_sizing_commands(sub) -> None:
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("validate", help="refuse a Serve YAML whose models cannot fit the given GPUs and nodes")
-    p.add_argument("file")
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS_MIB))
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("file", help="the Serve YAML to check")
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS_MIB), help="the GPU model of every node")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node")
+    p.add_argument("--nodes", type=int, required=True, help="nodes of the cluster")
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("kuberay", help="print a KubeRay RayService whose serveConfigV2 is FILE (a Serve YAML)")
-    p.add_argument("file")
+    p.add_argument("file", help="the Serve YAML (becomes serveConfigV2)")
     p.add_argument("--name", default=None, help="RayService name (default: summit-<file stem>)")
     p.add_argument("--image", default="summit:0.1.0-gpu", help="Ray 2.60 GPU image with Summit installed")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one worker pod")
     p.add_argument("--models-pvc", default="summit-models", help="PersistentVolumeClaim mounted at /models")
     p.set_defaults(func=_kuberay)
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(DISTRIBUTION)
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="summit", description="Serve large open LLMs with vLLM on Ray Serve.")
+    parser.add_argument("--version", action="version", version=f"summit {version()} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_model_commands(sub)
+    _add_cluster_commands(sub)
+    _add_batch_command(sub)
+    _add_sizing_commands(sub)
+    sub.metavar = "{" + ",".join(a.dest for a in sub._choices_actions) + "}"  # the listed ones (not job-env)
+    for p in sub.choices.values():
+        p.formatter_class = _HelpWithDefaults
+    return parser
 
+
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default, where it has one to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default in (None, False) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_model_commands(sub) -> None:
     p = sub.add_parser("make-tiny-model", help="write the tiny random-weight Llama (real tokenizer) to DIR")
-    p.add_argument("dir", nargs="?", default=DEFAULT_TINY_MODEL)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir", nargs="?", default=DEFAULT_TINY_MODEL, help="where to write it")
+    p.add_argument("--seed", type=int, default=0, help="another seed, other weights")
     p.add_argument("--hidden-size", type=int, default=128, help="256 for GPUs (head_dim 64 for FlashAttention)")
-    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "mixtral"],
-                   help="the model family's config and weight names (mixtral: 4 experts, 2 a token)")
+    p.add_argument(
+        "--arch",
+        default="llama",
+        choices=["llama", "mistral", "qwen2", "mixtral"],
+        help="the model family's config and weight names (mixtral: 4 experts, 2 a token)",
+    )
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("make-tiny-lora", help="write a random LoRA adapter (PEFT format) for the tiny model to DIR")
-    p.add_argument("dir")
+    p.add_argument("dir", help="where to write it")
     p.add_argument("--base", default=DEFAULT_TINY_MODEL, help="the tiny model's directory (its shapes)")
     p.add_argument("--seed", type=int, default=1, help="another seed, another adapter")
-    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--rank", type=int, default=8, help="the LoRA rank")
     p.set_defaults(func=_make_tiny_lora)
 
     p = sub.add_parser("make-model-config", help="write a real-shape config.json + tokenizer (for load_format: dummy)")
     p.add_argument("preset", help="llama-3.1-8b | llama-3.1-70b | llama-3.1-405b (or 8b, 70b, 405b)")
-    p.add_argument("dir")
+    p.add_argument("dir", help="where to write config.json and the tokenizer")
     p.set_defaults(func=_make_model_config)
 
+
+def _add_cluster_commands(sub) -> None:
     p = sub.add_parser("wait-ready", help="wait until CONFIG's application answers on its HTTP port, then say so")
     p.add_argument("config", help="the Serve YAML being served (its http_options give the address)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds")
     p.add_argument("--while-pid", type=int, default=None, help="give up when this process (e.g. `serve run`) exits")
     p.set_defaults(func=_wait_ready)
 
-    p = sub.add_parser("direct-path-env", help="print `export` lines putting a Ray started from this shell on the "
-                       "direct path (Serve's HAProxy with loopback stats, body-aware route picker)")
+    p = sub.add_parser(
+        "serve-local",
+        help="serve a Serve YAML on a private Ray instance of this machine until Ctrl-C (README command 1): say when "
+        "it answers; Ctrl-C stops it at once when no request is in flight, after a graceful drain otherwise",
+    )
+    p.add_argument("config", help='the Serve YAML (run `eval "$(summit direct-path-env)"` first for the direct path)')
+    p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the ready line")
+    p.set_defaults(func=_serve_local)
+
+    p = sub.add_parser(
+        "direct-path-env",
+        help="print `export` lines putting a Ray started from this shell on the "
+        "direct path (Serve's HAProxy with loopback stats, body-aware route picker)",
+    )
     p.set_defaults(func=_direct_path_env)
 
     p = sub.add_parser("sbatch", help="write an sbatch script for a Serve YAML, sized by the planner")
-    _sbatch_arguments(p)
+    sbatch_arguments(p)
     p.set_defaults(func=_sbatch)
 
-    p = sub.add_parser("job-env", help="print `export` lines giving one job (SLURM) its own Ray / Serve / HAProxy "
-                       "ports and files, and write its Serve YAML with that HTTP port")
+    p = sub.add_parser(  # no help=: the SLURM job script's, not a user's (kept out of `summit --help`)
+        "job-env",
+        description="print `export` lines giving one job (SLURM) its own Ray / Serve / HAProxy "
+        "ports and files, and write its Serve YAML with that HTTP port",
+    )
     p.add_argument("--state-dir", required=True, help="a short directory of the job's own (HAProxy's sockets)")
     p.add_argument("--config", required=True, help="the Serve YAML the job deploys")
     p.add_argument("--config-out", required=True, help="where to write the job's copy of it")
     p.set_defaults(func=_job_env)
 
+
+def _add_batch_command(sub) -> None:
     p = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) offline on the models of a Serve YAML")
     p.add_argument("input", help="JSONL lines {custom_id, method, url, body}, as for the Batch API")
     p.add_argument("-o", "--output", required=True, help="answered lines (appended; a rerun skips them)")
-    p.add_argument("-e", "--errors", default=None, help="lines answered with an error (default: OUTPUT's name "
-                   "with .errors.jsonl)")
+    p.add_argument(
+        "-e", "--errors", default=None, help="lines answered with an error (default: OUTPUT's name with .errors.jsonl)"
+    )
     p.add_argument("--config", required=True, help="the Serve YAML whose models run the lines")
     p.add_argument("--app", default=None, help="which application of the YAML (default: its one Summit app)")
     p.add_argument("--address", default=None, help="a running Ray cluster (default: start a private local one)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the private local Ray (default: all)")
     p.add_argument("--concurrency", type=int, default=64, help="lines in flight")
-    p.add_argument("--ray-data", action="store_true", help="Ray Data: map_batches over one engine actor per "
-                   "replica of the model (its deployment.num_replicas), for jobs larger than one replica")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--ray-data",
+        action="store_true",
+        help="Ray Data: map_batches over one engine actor per "
+        "replica of the model (its deployment.num_replicas), for jobs larger than one replica",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.set_defaults(func=_batch)
-    _add_sizing_commands(sub)
-    return parser
-
-
-def _sbatch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="the Serve YAML the job deploys (its path as the job will see it)")
-    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs of one node (0: CPU engines)")
-    p.add_argument("--nodes", type=int, default=None, help="default: the fewest that hold the YAML's replicas")
-    p.add_argument("--partition", default=None)
-    p.add_argument("--time", default="24:00:00", help="the job's time limit (it drains 5 minutes before)")
-    p.add_argument("--gpu", default="h100-80gb", help="GPU model for the memory check (summit validate's --gpu)")
-    p.add_argument("-o", "--output", default=None, help="write the script here (default: print it)")
-
-
-def sbatch_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="summit sbatch")
-    _sbatch_arguments(p)
-    return p
 
 
 def _sbatch(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from app.sbatch import JobSpec, render
+    from app.clusters.sbatch import JobSpec, render
 
     spec = JobSpec(ns.file, ns.gpus_per_node, ns.nodes, ns.partition, ns.time, ns.gpu)
     try:
@@ -265,7 +324,7 @@ def _job_env(ns: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
-    from app.job_env import job_env, job_serve_config
+    from app.clusters.job_env import job_env, job_serve_config
 
     env = job_env(Path(ns.state_dir))
     env["SUMMIT_JOB_CONFIG"] = str(job_serve_config(Path(ns.config), int(env["SUMMIT_HTTP_PORT"]), Path(ns.config_out)))
@@ -278,7 +337,7 @@ def _direct_path_env(ns: argparse.Namespace) -> int:
     import shlex
     import shutil
 
-    from app.deployment_options import DIRECT_PATH_ENV
+    from app.build.options import DIRECT_PATH_ENV
 
     env = dict(DIRECT_PATH_ENV)
     if binary := shutil.which("summit-haproxy"):

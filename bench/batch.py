@@ -39,9 +39,15 @@ MODEL = "tiny-llama"
 
 def batch_lines(ns) -> list[dict]:
     prompts = make_prompts(ns.lines, ns.prompt_words, seed=3)
-    return [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": MODEL, "prompt": p, "max_tokens": ns.max_tokens, "temperature": 0, "ignore_eos": True}}
-            for i, p in enumerate(prompts)]
+    return [
+        {
+            "custom_id": f"b{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": p, "max_tokens": ns.max_tokens, "temperature": 0, "ignore_eos": True},
+        }
+        for i, p in enumerate(prompts)
+    ]
 
 
 def engine_kwargs(ns) -> dict:
@@ -98,8 +104,16 @@ def bench_api(ns, model_dir: str, lines: list[dict]) -> list[dict]:
         wall = time.monotonic() - t0
         out = client.files.content(b.output_file_id).content.decode().splitlines() if b.output_file_id else []
         tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in out)
-        rows.append(row("summit-batch-api", ns.batch_concurrency, tokens, wall, completed=len(out),
-                        failed=b.request_counts.failed))
+        rows.append(
+            row(
+                "summit-batch-api",
+                ns.batch_concurrency,
+                tokens,
+                wall,
+                completed=len(out),
+                failed=b.request_counts.failed,
+            )
+        )
         rows.append(online_row("online-16", alone))
         rows.append(online_row("online-16+batch", during, batch_lines_done_when_load_ended=done_during))
     finally:
@@ -114,15 +128,42 @@ def bench_offline(ns, model_dir: str, lines: list[dict], ray_data: bool = False)
     config = serve_config(ns, model_dir)
     config["applications"][0]["args"].pop("batch")
     (tmp / "c.yaml").write_text(yaml.safe_dump(config))
-    run = subprocess.run([sys.executable, "-m", "app.cli", "batch", str(infile), "-o", str(out), "--config",
-                          str(tmp / "c.yaml"), "--num-cpus", "4", "--no-progress", "--concurrency",
-                          str(ns.offline_concurrency), *(["--ray-data"] if ray_data else [])], cwd=REPO, capture_output=True, text=True,
-                         env=loopback_env({"RAY_AUTH_MODE": "disabled", **bench_env(ns)}))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "batch",
+            str(infile),
+            "-o",
+            str(out),
+            "--config",
+            str(tmp / "c.yaml"),
+            "--num-cpus",
+            "4",
+            "--no-progress",
+            "--concurrency",
+            str(ns.offline_concurrency),
+            *(["--ray-data"] if ray_data else []),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=loopback_env({"RAY_AUTH_MODE": "disabled", **bench_env(ns)}),
+    )
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])
     summary = json.loads(run.stdout.strip().splitlines()[-1])
-    return [row("summit-ray-data" if ray_data else "summit-offline", ns.offline_concurrency, summary["output_tokens"], summary["seconds"],
-                completed=summary["completed"], failed=summary["failed"])]
+    return [
+        row(
+            "summit-ray-data" if ray_data else "summit-offline",
+            ns.offline_concurrency,
+            summary["output_tokens"],
+            summary["seconds"],
+            completed=summary["completed"],
+            failed=summary["failed"],
+        )
+    ]
 
 
 def bench_generate(ns, model_dir: str, lines: list[dict]) -> list[dict]:
@@ -137,7 +178,8 @@ llm.generate([x["body"]["prompt"] for x in lines[:8]], params, use_tqdm=False)
 t0 = time.monotonic()
 outs = llm.generate([x["body"]["prompt"] for x in lines], params, use_tqdm=False)
 wall = time.monotonic() - t0
-print("BENCH_RESULT " + json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "wall": wall}}), flush=True)
+print("BENCH_RESULT " + json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "wall": wall}}),
+      flush=True)
 """
     env = loopback_env({"RAY_AUTH_MODE": "disabled", **bench_env(ns)})
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
@@ -150,7 +192,7 @@ print("BENCH_RESULT " + json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) f
 def bench_env(ns) -> dict[str, str]:
     """Every peer's engine environment: one OpenMP thread on CPU; NVLink multicast off on GPUs."""
     if ns.accelerator == "gpu":
-        from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
+        from deployments.engine import NO_NVLINK_MULTICAST_ENV
 
         return dict(NO_NVLINK_MULTICAST_ENV)
     return {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -165,14 +207,28 @@ def generate_kwargs(ns) -> dict:
 
 
 def row(peer: str, concurrency: int, tokens: int, wall: float, **extra) -> dict:
-    return {"peer": peer, "concurrency": concurrency, "out_tok_s": round(tokens / wall, 1), "ttft_p50_ms": None,
-            "ttft_p99_ms": None, "output_tokens": tokens, "seconds": round(wall, 2), **extra}
+    return {
+        "peer": peer,
+        "concurrency": concurrency,
+        "out_tok_s": round(tokens / wall, 1),
+        "ttft_p50_ms": None,
+        "ttft_p99_ms": None,
+        "output_tokens": tokens,
+        "seconds": round(wall, 2),
+        **extra,
+    }
 
 
 def online_row(peer: str, r: LoadResult, **extra) -> dict:
-    return {"peer": peer, "concurrency": r.concurrency, "out_tok_s": round(r.tok_per_s, 1),
-            "ttft_p50_ms": round(r.ttft_pct(50) * 1e3, 1), "ttft_p99_ms": round(r.ttft_pct(99) * 1e3, 1),
-            "errors": r.errors, **extra}
+    return {
+        "peer": peer,
+        "concurrency": r.concurrency,
+        "out_tok_s": round(r.tok_per_s, 1),
+        "ttft_p50_ms": round(r.ttft_pct(50) * 1e3, 1),
+        "ttft_p99_ms": round(r.ttft_pct(99) * 1e3, 1),
+        "errors": r.errors,
+        **extra,
+    }
 
 
 def main() -> None:
@@ -186,14 +242,18 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--batch-concurrency", type=int, default=64, help="the app's batch.max_concurrency")
     p.add_argument("--offline-concurrency", type=int, default=64)
-    p.add_argument("--priority", action=argparse.BooleanOptionalAction, default=True,
-                   help="engines schedule by priority (batch lines below online requests)")
+    p.add_argument(
+        "--priority",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engines schedule by priority (batch lines below online requests)",
+    )
     p.add_argument("--online-requests", type=int, default=64)
     p.add_argument("--online-max-tokens", type=int, default=16)
     p.add_argument("--only", choices=["api", "offline", "ray-data", "generate"], nargs="+", default=None)
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
-    from app.tiny_model import make_tiny_model
+    from app.clusters.tiny_model import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-batch-"))
     model_dir = ns.model_dir or str(make_tiny_model(tmp / "tiny-llama", max_len=2048))
@@ -202,11 +262,16 @@ def main() -> None:
     ns._in.write_text("".join(json.dumps(x) + "\n" for x in lines))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rows: list[dict] = []
+
     def bench_ray_data(ns, model_dir, lines):
         return bench_offline(ns, model_dir, lines, ray_data=True)
 
-    for name, fn in (("api", bench_api), ("offline", bench_offline), ("ray-data", bench_ray_data),
-                     ("generate", bench_generate)):
+    for name, fn in (
+        ("api", bench_api),
+        ("offline", bench_offline),
+        ("ray-data", bench_ray_data),
+        ("generate", bench_generate),
+    ):
         if ns.only is None or name in ns.only:
             t0 = time.monotonic()
             rows += fn(ns, model_dir, lines)

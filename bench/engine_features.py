@@ -39,7 +39,8 @@ vocab = llm.llm_engine.model_config.get_vocab_size()
 def prompts(n, length, salt):
     return [{"prompt_token_ids": [(7919 * (i + salt) + 104729 * j) % (vocab - 1000) + 500 for j in range(length)]}
             for i in range(n)]
-greedy = llm.generate(prompts(4, 32, 1), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, detokenize=False))
+greedy = llm.generate(prompts(4, 32, 1),
+                      SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, detokenize=False))
 row = {"ready_s": round(ready_s, 1), "greedy": [list(o.outputs[0].token_ids) for o in greedy], "runs": []}
 ttft = []
 for p in prompts(8, spec["prompt_len"], 2):
@@ -68,7 +69,8 @@ def variant_kwargs(name: str, args) -> dict:
     """The YAML's model entry, changed only as the variant says, through Summit's own config."""
     import yaml
 
-    from app.config import SummitConfig
+    from app.build.engine_checks import load_config
+    from deployments.engine import engine_args
 
     app_args = yaml.safe_load((REPO / "serve_configs/llama8b-fp8.yaml").read_text())["applications"][0]["args"]
     (entry,) = app_args["models"]
@@ -82,20 +84,28 @@ def variant_kwargs(name: str, args) -> dict:
         engine.pop("gpu_memory_utilization", None)
         engine.update(enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_num_seqs=max(args.concurrency))
     if name == "draft":
-        engine["speculative_config"] = {"method": "draft_model", "model": str(args.draft_dir),
-                                        "num_speculative_tokens": 3}  # loaded as the target is (dummy)
-    model = SummitConfig.model_validate({"models": [entry]}).models[0]
-    return {"model": str(args.model_dir), **model.engine_args()}
+        engine["speculative_config"] = {
+            "method": "draft_model",
+            "model": str(args.draft_dir),
+            "num_speculative_tokens": 3,
+        }  # loaded as the target is (dummy)
+    model = load_config({"models": [entry]}).models[0]
+    return {"model": str(args.model_dir), **engine_args(model)}
 
 
 def run_variant(name: str, args) -> dict:
-    from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
+    from deployments.engine import NO_NVLINK_MULTICAST_ENV
 
     kwargs = variant_kwargs(name, args)
     spec = {"concurrency": args.concurrency, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
     env = {**os.environ, **NO_NVLINK_MULTICAST_ENV}
-    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(kwargs), json.dumps(spec)], capture_output=True,
-                          text=True, env=env, timeout=args.timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, json.dumps(kwargs), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=args.timeout,
+    )
     rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if not rows:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
@@ -134,14 +144,22 @@ def main() -> None:
                 (b,) = [x for x in base["runs"] if x["concurrency"] == run["concurrency"]]
                 ratio = f"  {run['out_tok_s'] / b['out_tok_s']:.2f}x bf16"
             print(f"{r['variant']:6} c={run['concurrency']:<4} {run['out_tok_s']:>9.1f} tok/s{ratio}")
-            rows.append({"peer": f"summit-engine-{r['variant']}", "concurrency": run["concurrency"],
-                         "out_tok_s": run["out_tok_s"], "ttft_p50_ms": round(statistics.median(r["ttft_ms"]), 1),
-                         "ttft_p99_ms": round(max(r["ttft_ms"]), 1)})
+            rows.append(
+                {
+                    "peer": f"summit-engine-{r['variant']}",
+                    "concurrency": run["concurrency"],
+                    "out_tok_s": run["out_tok_s"],
+                    "ttft_p50_ms": round(statistics.median(r["ttft_ms"]), 1),
+                    "ttft_p99_ms": round(max(r["ttft_ms"]), 1),
+                }
+            )
         if r["spec"]:
             drafted = r["spec"].get("vllm:spec_decode_num_draft_tokens", 0)
             accepted = r["spec"].get("vllm:spec_decode_num_accepted_tokens", 0)
-            print(f"{r['variant']}: {accepted:.0f} of {drafted:.0f} drafted tokens accepted; greedy output same as "
-                  f"bf16: {r.get('greedy_same_as_bf16')}")
+            print(
+                f"{r['variant']}: {accepted:.0f} of {drafted:.0f} drafted tokens accepted; greedy output same as "
+                f"bf16: {r.get('greedy_same_as_bf16')}"
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
         args.json.with_suffix(".full.json").write_text(json.dumps(results, indent=1) + "\n")

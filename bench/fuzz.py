@@ -32,14 +32,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TIMEOUT_S = 120.0  # an answer later than this is "hung"
 # What must never appear in an error answer: a Python traceback or source location, a file-system path, an IPv4
 # address, a pid, Ray's actor / replica / node ids.
-LEAKS = re.compile(r"Traceback \(most recent|File \"[^\"]+\", line|/(?:home|tmp|usr|opt|root|work|proc)/|"
-                   r"site-packages|\b(?:\d{1,3}\.){3}\d{1,3}\b|\bpid\b|\bActor(?:ID|Id)?\b|ReplicaID|"
-                   r"\b(?=[0-9]*[a-f])[0-9a-f]{32,56}\b|ray::|SERVE_REPLICA", re.I)
+LEAKS = re.compile(
+    r"Traceback \(most recent|File \"[^\"]+\", line|/(?:home|tmp|usr|opt|root|work|proc)/|"
+    r"site-packages|\b(?:\d{1,3}\.){3}\d{1,3}\b|\bpid\b|\bActor(?:ID|Id)?\b|ReplicaID|"
+    r"\b(?=[0-9]*[a-f])[0-9a-f]{32,56}\b|ray::|SERVE_REPLICA",
+    re.I,
+)
 # Requests HAProxy refuses in its HTTP parser, before any of its rules or errorfiles apply (HAProxy 2.8, as Serve
-# bundles it): its own HTML 400. The one answer of Summit's entry that is not OpenAI-shaped (README: Security).
+# bundles it): its own HTML 400. The one answer of Summit's entry that is not OpenAI-shaped
+# (docs/operations/security.md).
 HAPROXY_PARSER_400 = frozenset({"long path (16 KiB)", "header flood (300 headers)", "one 64 KiB header"})
-GENERATION_CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2, "best_of": 2, "min_tokens": 4,
-                   "logprobs": 5, "top_logprobs": 5, "prompt_logprobs": 5}
+GENERATION_CAPS = {
+    "max_tokens": 8,
+    "max_completion_tokens": 8,
+    "n": 2,
+    "best_of": 2,
+    "min_tokens": 4,
+    "logprobs": 5,
+    "top_logprobs": 5,
+    "prompt_logprobs": 5,
+}
 
 
 def problem(status: int, headers, body: bytes, sent: str = "") -> str | None:
@@ -78,14 +90,27 @@ class Report:
         self.statuses[str(status) if status is not None else "no answer"] += 1
         if why:
             if len(self.failures) < 200:
-                self.failures.append({"operation": label, "problem": why, "sample": sample[:400],
-                                      "sent": sent[:400].decode("utf-8", "replace")})
+                self.failures.append(
+                    {
+                        "operation": label,
+                        "problem": why,
+                        "sample": sample[:400],
+                        "sent": sent[:400].decode("utf-8", "replace"),
+                    }
+                )
             self.hung += status is None
 
     def as_json(self) -> dict:
-        return {"requests": self.requests, "statuses": dict(self.statuses), "by_operation": dict(self.by_operation),
-                "failures": len(self.failures), "failure_samples": self.failures[:50], "hung": self.hung,
-                "seconds": round(self.seconds, 1), "healthy_after": self.healthy_after}
+        return {
+            "requests": self.requests,
+            "statuses": dict(self.statuses),
+            "by_operation": dict(self.by_operation),
+            "failures": len(self.failures),
+            "failure_samples": self.failures[:50],
+            "hung": self.hung,
+            "seconds": round(self.seconds, 1),
+            "healthy_after": self.healthy_after,
+        }
 
 
 def _small(body, model: str, rng: random.Random):
@@ -119,8 +144,13 @@ def fuzz_schema(base_url: str, requests: int, seed: int, api_key: str | None, mo
         alive = []
         for i, (op, mode) in enumerate(runs):
             quota = (requests - done + len(runs) - i - 1) // (len(runs) - i)
-            sent = _draw(op, mode, quota, rng.randrange(1 << 30),
-                         lambda case, op=op: _send_case(session, case, op, api_key, model, rng, report))
+            sent = _draw(
+                op,
+                mode,
+                quota,
+                rng.randrange(1 << 30),
+                lambda case, op=op: _send_case(session, case, op, api_key, model, rng, report),
+            )
             done += sent
             if sent == quota:  # an operation with few distinct cases (GET /health) is left out of the next round
                 alive.append((op, mode))
@@ -129,7 +159,8 @@ def fuzz_schema(base_url: str, requests: int, seed: int, api_key: str | None, mo
 
 def _draw(op, mode, quota: int, seed: int, send) -> int:
     """Send up to `quota` cases of one operation in one generation mode, seeded; how many were sent."""
-    from hypothesis import HealthCheck, Phase, given, seed as with_seed, settings
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as with_seed
     from hypothesis.errors import Unsatisfiable
 
     sent = 0
@@ -140,8 +171,14 @@ def _draw(op, mode, quota: int, seed: int, send) -> int:
             sent += 1
             send(case)
 
-    test = settings(max_examples=max(quota, 1), database=None, phases=[Phase.generate], deadline=None,
-                    suppress_health_check=list(HealthCheck), print_blob=False)(given(op.as_strategy(generation_mode=mode))(one))
+    test = settings(
+        max_examples=max(quota, 1),
+        database=None,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )(given(op.as_strategy(generation_mode=mode))(one))
     try:
         with_seed(seed)(test)()
     except Unsatisfiable:  # no case of this mode (an invalid GET /health)
@@ -170,8 +207,13 @@ def _send_case(session: httpx.Client, case, op, api_key, model, rng, report: Rep
             data = r.read()
             sent = kwargs.get("content") or repr(kwargs.get("files")).encode()
             echo = f"{r.request.url} {sent.decode('utf-8', 'replace')}"
-            report.add(label, r.status_code, problem(r.status_code, r.headers, data, echo),
-                       data.decode("utf-8", "replace"), sent)
+            report.add(
+                label,
+                r.status_code,
+                problem(r.status_code, r.headers, data, echo),
+                data.decode("utf-8", "replace"),
+                sent,
+            )
     except httpx.TimeoutException:
         report.add(label, None, "hung", str(kwargs.get("content", b""))[:400])
     except httpx.HTTPError as e:
@@ -190,26 +232,62 @@ def hand_cases(model: str) -> list[tuple[str, str, str, dict, bytes]]:
     json_h = {"content-type": "application/json"}
     return [
         ("text/plain body", "POST", "/v1/completions", {"content-type": "text/plain"}, good),
-        ("multipart body", "POST", "/v1/chat/completions", {"content-type": "multipart/form-data; boundary=x"},
-         b"--x\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n" + model.encode() + b"\r\n--x--\r\n"),
+        (
+            "multipart body",
+            "POST",
+            "/v1/chat/completions",
+            {"content-type": "multipart/form-data; boundary=x"},
+            b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\n' + model.encode() + b"\r\n--x--\r\n",
+        ),
         ("no content type", "POST", "/v1/completions", {}, good),
         ("non-UTF-8 body", "POST", "/v1/chat/completions", json_h, b'{"model": "\xff\xfe", "messages": []}'),
         ("non-UTF-8 prompt", "POST", "/v1/completions", json_h, good.replace(b'"hi"', b'"h\xc3\x28i"')),
-        ("latin-1 content type", "POST", "/v1/completions", {"content-type": "application/json; charset=latin-1"}, good),
-        ("huge body (64 MiB, over the 32 MiB limit)", "POST", "/v1/completions", json_h,
-         b'{"model": "%s", "prompt": "' % model.encode() + b"a " * (32 << 20) + b'"}'),
+        (
+            "latin-1 content type",
+            "POST",
+            "/v1/completions",
+            {"content-type": "application/json; charset=latin-1"},
+            good,
+        ),
+        (
+            "huge body (64 MiB, over the 32 MiB limit)",
+            "POST",
+            "/v1/completions",
+            json_h,
+            b'{"model": "%s", "prompt": "' % model.encode() + b"a " * (32 << 20) + b'"}',
+        ),
         ("deeply nested JSON", "POST", "/v1/completions", json_h, nested),
-        ("deeply nested chat", "POST", "/v1/chat/completions", json_h,
-         b'{"model": "%s", "messages": ' % model.encode() + b"[" * 50_000 + b"]" * 50_000 + b"}"),
-        ("messages null", "POST", "/v1/chat/completions", json_h,
-         json.dumps({"model": model, "messages": None}).encode()),
+        (
+            "deeply nested chat",
+            "POST",
+            "/v1/chat/completions",
+            json_h,
+            b'{"model": "%s", "messages": ' % model.encode() + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        ),
+        (
+            "messages null",
+            "POST",
+            "/v1/chat/completions",
+            json_h,
+            json.dumps({"model": model, "messages": None}).encode(),
+        ),
         ("prompt null", "POST", "/v1/completions", json_h, json.dumps({"model": model, "prompt": None}).encode()),
         ("JSON array body", "POST", "/v1/completions", json_h, b"[1, 2, 3]"),
         ("empty body", "POST", "/v1/chat/completions", json_h, b""),
-        ("NaN and huge numbers", "POST", "/v1/completions", json_h,
-         b'{"model": "%s", "prompt": "x", "temperature": NaN, "max_tokens": 1e999}' % model.encode()),
-        ("duplicate keys", "POST", "/v1/completions", json_h,
-         b'{"model": "nope", "model": "%s", "prompt": "x", "max_tokens": 1}' % model.encode()),
+        (
+            "NaN and huge numbers",
+            "POST",
+            "/v1/completions",
+            json_h,
+            b'{"model": "%s", "prompt": "x", "temperature": NaN, "max_tokens": 1e999}' % model.encode(),
+        ),
+        (
+            "duplicate keys",
+            "POST",
+            "/v1/completions",
+            json_h,
+            b'{"model": "nope", "model": "%s", "prompt": "x", "max_tokens": 1}' % model.encode(),
+        ),
         ("GET a POST route", "GET", "/v1/completions", {}, b""),
         ("PUT /v1/models", "PUT", "/v1/models", json_h, b"{}"),
         ("DELETE a POST route", "DELETE", "/v1/chat/completions", {}, b""),
@@ -218,13 +296,37 @@ def hand_cases(model: str) -> list[tuple[str, str, str, dict, bytes]]:
         ("vLLM-only POST", "POST", "/v1/responses", json_h, chat),
         ("dot-dot path", "GET", "/v1/files/..%2F..%2Fetc%2Fpasswd/content", {}, b""),
         ("long path (16 KiB)", "GET", "/v1/" + "a" * (16 << 10), {}, b""),
-        ("header flood (300 headers)", "POST", "/v1/completions", {**json_h, **{f"x-h{i}": "v" * 100 for i in range(300)}}, good),
+        (
+            "header flood (300 headers)",
+            "POST",
+            "/v1/completions",
+            {**json_h, **{f"x-h{i}": "v" * 100 for i in range(300)}},
+            good,
+        ),
         ("one 64 KiB header", "POST", "/v1/completions", {**json_h, "x-big": "v" * (64 << 10)}, good),
-        ("bad bearer", "POST", "/v1/chat/completions", {**json_h, "authorization": "Bearer \u00ff".encode("latin-1")}, chat),
+        (
+            "bad bearer",
+            "POST",
+            "/v1/chat/completions",
+            {**json_h, "authorization": "Bearer \u00ff".encode("latin-1")},
+            chat,
+        ),
         ("bogus traceparent", "POST", "/v1/completions", {**json_h, "traceparent": "00-zz-yy-01"}, good),
-        ("stream with n", "POST", "/v1/chat/completions", json_h,
-         json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2,
-                     "stream": True}).encode()),
+        (
+            "stream with n",
+            "POST",
+            "/v1/chat/completions",
+            json_h,
+            json.dumps(
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "n": 2,
+                    "stream": True,
+                }
+            ).encode(),
+        ),
     ]
 
 
@@ -240,8 +342,7 @@ def run_hand_cases(base_url: str, model: str, api_key: str | None, report: Repor
                 if name in HAPROXY_PARSER_400 and r.status_code == 400 and r.content.startswith(b"<html>"):
                     why = None  # HAProxy's parser answered (documented), not Summit
                 report.add(f"hand: {name}", r.status_code, why, r.text)
-                outcomes.append({"case": name, "status": r.status_code, "problem": why,
-                                 "answer": r.text[:160]})
+                outcomes.append({"case": name, "status": r.status_code, "problem": why, "answer": r.text[:160]})
             except httpx.TimeoutException:
                 report.add(f"hand: {name}", None, "hung")
                 outcomes.append({"case": name, "status": None, "problem": "hung"})
@@ -253,8 +354,12 @@ def run_hand_cases(base_url: str, model: str, api_key: str | None, report: Repor
 
 def still_serving(base_url: str, model: str, api_key: str | None) -> bool:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.post(base_url + "/v1/completions", headers=headers, timeout=60,
-                   json={"model": model, "prompt": "ok", "max_tokens": 2, "ignore_eos": True})
+    r = httpx.post(
+        base_url + "/v1/completions",
+        headers=headers,
+        timeout=60,
+        json={"model": model, "prompt": "ok", "max_tokens": 2, "ignore_eos": True},
+    )
     return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
@@ -279,7 +384,7 @@ def private_app():
     (tests/cpu/engine_apps.deployed, as overload.py starts its app)."""
     import tempfile
 
-    from app.tiny_model import make_tiny_model
+    from app.clusters.tiny_model import make_tiny_model
     from tests.cpu.engine_apps import deployed
     from tests.local_cluster import load_serve_config
 

@@ -5,7 +5,7 @@
 1. `vllm.LLM(tensor_parallel_size=2)` on vLLM's own multiprocessing executor, no Ray;
 2. the same on vLLM's Ray executor inside a placement group made with Ray's API (no Serve), as Summit's replica
    hands it over;
-each with the settings every Summit GPU engine gets (deployments/vllm_adapter.py: multicast-off environment,
+each with the settings every Summit GPU engine gets (deployments/engine/args.py: multicast-off environment,
 FlashInfer all-reduce fusion off). Each layer runs in a subprocess of its own and prints OK with its tokens or
 FAIL with the error's last lines. Dummy weights, token-id prompts: no tokenizer or checkpoint needed.
 Rehearsal on CPU: `SUMMIT_VLLM_CPU_RAY=1 LAYERS_RAY_GPUS=2 RAY_AUTH_MODE=disabled VLLM_CPU_KVCACHE_SPACE=1 ...`.
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV, engine_kwargs  # noqa: E402
+from deployments.engine import NO_NVLINK_MULTICAST_ENV, engine_kwargs  # noqa: E402
 
 LAYER = r"""
 import json, os, sys, tempfile
@@ -44,13 +44,14 @@ if sys.argv[2] == "ray-pg":
     # A Serve replica is an actor: vLLM spawns there by itself (vllm.utils.system_utils._maybe_force_spawn).
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     kwargs["distributed_executor_backend"] = "ray"
-    # what vllm_adapter._use_replica_placement_group does in a replica
+    # what deployments/engine/app.py does with the replica's placement group
     from vllm.engine.arg_utils import EngineArgs
     config = EngineArgs(**kwargs).create_engine_config()
     config.parallel_config.placement_group = group
     from vllm.v1.engine.llm_engine import LLMEngine
     engine = LLMEngine.from_vllm_config(config)
-    engine.add_request("r0", {"prompt_token_ids": [1, 5, 9, 13]}, SamplingParams(max_tokens=8, temperature=0, detokenize=False))
+    engine.add_request("r0", {"prompt_token_ids": [1, 5, 9, 13]},
+                       SamplingParams(max_tokens=8, temperature=0, detokenize=False))
     tokens = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -59,7 +60,8 @@ if sys.argv[2] == "ray-pg":
 else:
     kwargs["distributed_executor_backend"] = "mp"
     llm = LLM(**kwargs)
-    out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=8, temperature=0, detokenize=False))
+    out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}],
+                       SamplingParams(max_tokens=8, temperature=0, detokenize=False))
     tokens = list(out[0].outputs[0].token_ids)
 print("TOKENS", tokens)
 """
@@ -73,8 +75,13 @@ def main() -> None:
     p.add_argument("--layers", nargs="+", default=["mp", "ray-pg"])
     p.add_argument("--timeout", type=float, default=400)
     ns = p.parse_args()
-    given = {"model": ns.model_dir, "load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 512,
-             "gpu_memory_utilization": 0.3}
+    given = {
+        "model": ns.model_dir,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "max_model_len": 512,
+        "gpu_memory_utilization": 0.3,
+    }
     kwargs = engine_kwargs(given, "gpu", ns.tp, ns.pp)
     kwargs.pop("distributed_executor_backend", None)
     env = {**os.environ, **NO_NVLINK_MULTICAST_ENV}
@@ -82,8 +89,13 @@ def main() -> None:
         log = Path(os.environ.get("OUT", ".")) / f"layer-{layer}.log"  # written as it runs: a hang still leaves it
         with log.open("w") as f:
             try:
-                rc = subprocess.run([sys.executable, "-c", LAYER, json.dumps(kwargs), layer], env=env, stdout=f,
-                                    stderr=subprocess.STDOUT, timeout=ns.timeout).returncode
+                rc = subprocess.run(
+                    [sys.executable, "-c", LAYER, json.dumps(kwargs), layer],
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    timeout=ns.timeout,
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         out = log.read_text(errors="replace")

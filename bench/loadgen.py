@@ -43,12 +43,24 @@ class LoadResult:
         return percentile(self.ttft_s, q)
 
     def row(self) -> dict:
-        return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
-                "out_tok_s": round(self.tok_per_s, 1), "ttft_p50_ms": round(self.ttft_pct(50) * 1000, 1),
-                "ttft_p99_ms": round(self.ttft_pct(99) * 1000, 1), "wall_s": round(self.wall_s, 2),
-                **({} if self.serving_cpu_s is None else {"serving_cpu_s_per_1k_tok": self.cpu_per_1k_tok()}),
-                **({} if not self.tpot_s else {"tpot_p50_ms": round(percentile(self.tpot_s, 50) * 1000, 2),
-                                               "tpot_p99_ms": round(percentile(self.tpot_s, 99) * 1000, 2)})}
+        return {
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "errors": self.errors,
+            "out_tok_s": round(self.tok_per_s, 1),
+            "ttft_p50_ms": round(self.ttft_pct(50) * 1000, 1),
+            "ttft_p99_ms": round(self.ttft_pct(99) * 1000, 1),
+            "wall_s": round(self.wall_s, 2),
+            **({} if self.serving_cpu_s is None else {"serving_cpu_s_per_1k_tok": self.cpu_per_1k_tok()}),
+            **(
+                {}
+                if not self.tpot_s
+                else {
+                    "tpot_p50_ms": round(percentile(self.tpot_s, 50) * 1000, 2),
+                    "tpot_p99_ms": round(percentile(self.tpot_s, 99) * 1000, 2),
+                }
+            ),
+        }
 
     def cpu_per_1k_tok(self) -> float | None:
         if self.serving_cpu_s is None or not self.output_tokens:
@@ -106,8 +118,9 @@ def cpu_used_s(before: dict, after: dict) -> float:
     return sum(t - before.get(key, 0.0) for key, t in after.items())
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, body: dict,
-                            timing: dict | None = None) -> tuple[float | None, int, str | None]:
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, body: dict, timing: dict | None = None
+) -> tuple[float | None, int, str | None]:
     """One streamed completion: (TTFT, completion tokens or -1 on an error status, replica that answered). `timing`,
     if given, gets "tpot": seconds per output token after the first ((last text - first text) / (tokens - 1))."""
     start = time.perf_counter()
@@ -133,8 +146,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict,
         return ttft, tokens, r.headers.get("x-summit-replica")
 
 
-async def run_load(base_url: str | list[str], model: str | list[str], prompts: list[str], concurrency: int,
-                   max_tokens: int) -> LoadResult:
+async def run_load(
+    base_url: str | list[str], model: str | list[str], prompts: list[str], concurrency: int, max_tokens: int
+) -> LoadResult:
     """Send every prompt once (completions, streamed, ignore_eos) with `concurrency` in flight. With several models,
     prompt i asks model i mod n; with as many base URLs as models, model i goes to URL i (one server per model)."""
     models = [model] if isinstance(model, str) else list(model)
@@ -148,11 +162,19 @@ async def run_load(base_url: str | list[str], model: str | list[str], prompts: l
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
 
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
         async def worker():
             while not queue.empty():
                 prompt, model_name, url = queue.get_nowait()
-                body = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                        "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+                body = {
+                    "model": model_name,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream_options": {"include_usage": True},
+                }
                 timing: dict = {}
                 try:
                     ttft, tokens, _ = await stream_completion(client, url, body, timing)
@@ -184,21 +206,43 @@ def _load_in_process(args: tuple) -> tuple[int, list[float], int, float, float, 
     return r.output_tokens, r.ttft_s, r.errors, t0, t0 + r.wall_s, r.tpot_s
 
 
-def run_load_processes(base_url: str | list[str], model: str | list[str], prompts: list[str], concurrency: int,
-                       max_tokens: int, processes: int) -> LoadResult:
+def run_load_processes(
+    base_url: str | list[str],
+    model: str | list[str],
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    processes: int,
+) -> LoadResult:
     """`run_load` spread over `processes` client processes (one asyncio client tops out near one core: ~10k tok/s
     of SSE on the GPU host), prompts and streams dealt out evenly; wall time from the first start to the last end."""
     processes = max(1, min(processes, concurrency))
     if processes == 1:
         return asyncio.run(run_load(base_url, model, prompts, concurrency, max_tokens))
     start_at = time.time() + 2.0
-    jobs = [(base_url, model, prompts[i::processes], concurrency // processes + (i < concurrency % processes),
-             max_tokens, start_at) for i in range(processes)]
+    jobs = [
+        (
+            base_url,
+            model,
+            prompts[i::processes],
+            concurrency // processes + (i < concurrency % processes),
+            max_tokens,
+            start_at,
+        )
+        for i in range(processes)
+    ]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         parts = pool.map(_load_in_process, jobs)
     wall = max(p[4] for p in parts) - min(p[3] for p in parts)
-    return LoadResult(concurrency, len(prompts), sum(p[0] for p in parts), wall,
-                      [t for p in parts for t in p[1]], sum(p[2] for p in parts), tpot_s=[t for p in parts for t in p[5]])
+    return LoadResult(
+        concurrency,
+        len(prompts),
+        sum(p[0] for p in parts),
+        wall,
+        [t for p in parts for t in p[1]],
+        sum(p[2] for p in parts),
+        tpot_s=[t for p in parts for t in p[5]],
+    )
 
 
 def make_prompts(n: int, words: int, seed: int = 0, distinct: bool = False) -> list[str]:
@@ -215,8 +259,10 @@ def make_prompts(n: int, words: int, seed: int = 0, distinct: bool = False) -> l
 def summarize(rows: dict[str, LoadResult]) -> str:
     lines = [f"{'peer':<14}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}"]
     for name, r in rows.items():
-        lines.append(f"{name:<14}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1000:>13.1f}"
-                     f"{r.ttft_pct(99) * 1000:>13.1f}{r.errors:>8}")
+        lines.append(
+            f"{name:<14}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1000:>13.1f}"
+            f"{r.ttft_pct(99) * 1000:>13.1f}{r.errors:>8}"
+        )
     return "\n".join(lines)
 
 

@@ -47,7 +47,10 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
                         if r.status_code in (429, 503):
                             took = (time.monotonic() - t0) * 1000
                             text = r.read()
-                            ok = "retry-after" in r.headers and json.loads(text).get("error", {}).get("code") == r.status_code
+                            ok = (
+                                "retry-after" in r.headers
+                                and json.loads(text).get("error", {}).get("code") == r.status_code
+                            )
                             with lock:
                                 refusal_ms.append(took)
                                 if not ok:
@@ -71,7 +74,9 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
     recovered = None
     while time.monotonic() - end < 60:
         try:
-            r = httpx.post(base_url + "/v1/completions", timeout=30, json={"model": model, "prompt": "after", "max_tokens": 2})
+            r = httpx.post(
+                base_url + "/v1/completions", timeout=30, json={"model": model, "prompt": "after", "max_tokens": 2}
+            )
             if r.status_code == 200:
                 recovered = round(time.monotonic() - end, 2)
                 break
@@ -79,9 +84,17 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
             pass
         time.sleep(0.2)
     q = statistics.quantiles(refusal_ms, n=100) if len(refusal_ms) >= 2 else [float("nan")] * 99
-    return {"clients": clients, "duration_s": duration_s, "answers": {str(k): v for k, v in statuses.items()},
-            "refusals": len(refusal_ms), "refusal_p50_ms": round(q[49], 1), "refusal_p99_ms": round(q[98], 1),
-            "bad_refusals": bad_refusals[:5], "hung": hung, "recovered_s": recovered}
+    return {
+        "clients": clients,
+        "duration_s": duration_s,
+        "answers": {str(k): v for k, v in statuses.items()},
+        "refusals": len(refusal_ms),
+        "refusal_p50_ms": round(q[49], 1),
+        "refusal_p99_ms": round(q[98], 1),
+        "bad_refusals": bad_refusals[:5],
+        "hung": hung,
+        "recovered_s": recovered,
+    }
 
 
 def main() -> int:
@@ -96,7 +109,7 @@ def main() -> int:
         return 0
     import tempfile
 
-    from app.tiny_model import make_tiny_model
+    from app.clusters.tiny_model import make_tiny_model
     from tests.cpu.engine_apps import deployed
     from tests.cpu.test_scaling import FAST_METRICS, scaling_models
 

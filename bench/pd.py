@@ -28,9 +28,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import LoadResult, percentile  # noqa: E402
-from bench.serve_overhead import (MODEL, cli_flags, engine_env, engine_kwargs, run_loads, serve_peer,  # noqa: E402
-                                  wait_http)
-from deployments.vllm_adapter import connector_engine_kwargs, kv_transfer_config  # noqa: E402
+from bench.serve_overhead import (
+    MODEL,
+    cli_flags,
+    engine_env,
+    engine_kwargs,
+    run_loads,
+    serve_peer,  # noqa: E402
+    wait_http,
+)
+from deployments.engine import connector_engine_kwargs, kv_transfer_config  # noqa: E402
 from tests.local_cluster import LOOPBACK, free_port, loopback_env  # noqa: E402
 
 
@@ -45,23 +52,45 @@ def buffer_device(ns: argparse.Namespace) -> str:
 
 
 def summit_model(ns: argparse.Namespace, model_dir: str, **fields) -> dict:
-    return {"name": MODEL, "source": model_dir, "accelerator": ns.accelerator, "engine_kwargs": engine_kwargs(ns),
-            "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1},
-            # every token sent as it comes: TPOT is measured between chunks, which coalescing would merge
-            "stream_coalesce_ms": 0, **fields}
+    return {
+        "name": MODEL,
+        "source": model_dir,
+        "accelerator": ns.accelerator,
+        "engine_kwargs": engine_kwargs(ns),
+        "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1},
+        # every token sent as it comes: TPOT is measured between chunks, which coalescing would merge
+        "stream_coalesce_ms": 0,
+        **fields,
+    }
 
 
 def summit_config(ns: argparse.Namespace, model: dict) -> dict:
-    return {"proxy_location": "HeadOnly", "applications": [{
-        "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
-        "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
-        "args": {"models": [model]}}]}
+    return {
+        "proxy_location": "HeadOnly",
+        "applications": [
+            {
+                "name": "summit",
+                "route_prefix": "/",
+                "import_path": "app.build:build_app",
+                "runtime_env": {
+                    "env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}
+                },
+                "args": {"models": [model]},
+            }
+        ],
+    }
 
 
 def bench_summit_pd(ns, model_dir):
-    model = summit_model(ns, model_dir, disaggregation={
-        "connector": ns.connector, "connector_config": connector_config(ns, "summit"),
-        "kv_buffer_device": buffer_device(ns)})
+    model = summit_model(
+        ns,
+        model_dir,
+        disaggregation={
+            "connector": ns.connector,
+            "connector_config": connector_config(ns, "summit"),
+            "kv_buffer_device": buffer_device(ns),
+        },
+    )
     return serve_peer(ns, summit_config(ns, model), engine_env(ns), haproxy=True)
 
 
@@ -90,19 +119,47 @@ def bench_vllm_pd(ns, model_dir):
                 env["CUDA_VISIBLE_DEVICES"] = "0" if ns.same_gpu else str(index)
             if ns.gpu_memory_utilization:
                 flags["gpu_memory_utilization"] = ns.gpu_memory_utilization
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                   "--served-model-name", MODEL, "--host", LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log",
-                   *cli_flags(flags)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_dir,
+                "--served-model-name",
+                MODEL,
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(port),
+                "--disable-uvicorn-access-log",
+                *cli_flags(flags),
+            ]
             log = open(Path(tempfile.gettempdir()) / f"bench-pd-{role}-{port}.log", "wb")
-            procs.append(subprocess.Popen(cmd, env=loopback_env(env), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=loopback_env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
             urls[role] = f"http://{LOOPBACK}:{port}"
         for proc, url in zip(procs, urls.values()):
             wait_http(url + "/v1/models", proc, ns.start_timeout)
         port = free_port()
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("pd_proxy.py")), "--port", str(port),
-                                       "--prefill", urls["prefill"], "--decode", urls["decode"]],
-                                      env=loopback_env(), start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("pd_proxy.py")),
+                    "--port",
+                    str(port),
+                    "--prefill",
+                    urls["prefill"],
+                    "--decode",
+                    urls["decode"],
+                ],
+                env=loopback_env(),
+                start_new_session=True,
+            )
+        )
         wait_http(f"http://{LOOPBACK}:{port}/v1/models", procs[-1], 60)
         return time.monotonic() - t0, run_loads(f"http://{LOOPBACK}:{port}", ns, [p.pid for p in procs])
     finally:
@@ -123,8 +180,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[4, 8])
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--requests-per-stream", type=int, default=None)
-    p.add_argument("--prompt-words", type=int, default=600, help="words per prompt (≈ 1.5 tokens each on the tiny "
-                   "model's tokenizer; Llama's: ≈ 1.3)")
+    p.add_argument(
+        "--prompt-words",
+        type=int,
+        default=600,
+        help="words per prompt (≈ 1.5 tokens each on the tiny model's tokenizer; Llama's: ≈ 1.3)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -132,8 +193,12 @@ def main() -> None:
     p.add_argument("--omp-threads", type=int, default=1)
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--only", choices=list(PEERS), default=None)
-    p.add_argument("--same-gpu", action="store_true", help="vllm-pd only: both servers on GPU 0 (a one-GPU smoke test "
-                   "of the connector; give --gpu-memory-utilization 0.4)")
+    p.add_argument(
+        "--same-gpu",
+        action="store_true",
+        help="vllm-pd only: both servers on GPU 0 (a one-GPU smoke test "
+        "of the connector; give --gpu-memory-utilization 0.4)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm-pd only")
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
@@ -144,25 +209,38 @@ def main() -> None:
     ns.connector = ns.connector or ("shared_storage" if ns.accelerator == "cpu" else "nixl")
     model_dir = ns.model_dir
     if model_dir is None:
-        from app.tiny_model import make_tiny_model
+        from app.clusters.tiny_model import make_tiny_model
 
-        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama",
-                                        max_len=ns.max_model_len))
+        model_dir = str(
+            make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama", max_len=ns.max_model_len)
+        )
     results: dict[str, tuple[float, list[LoadResult]]] = {}
     for name, fn in PEERS.items():
         if ns.only in (None, name):
             results[name] = fn(ns, model_dir)
             print(f"{name}: ready in {results[name][0]:.1f} s", flush=True)
-    print(f"\n{'peer':<12}{'conc':>6}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
-          f"{'errors':>8}   (ms)")
+    print(
+        f"\n{'peer':<12}{'conc':>6}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
+        f"{'errors':>8}   (ms)"
+    )
     for name, (_, rows) in results.items():
         for r in rows:
-            print(f"{name:<12}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>10.1f}"
-                  f"{r.ttft_pct(99) * 1e3:>10.1f}{percentile(r.tpot_s or [], 50) * 1e3:>10.2f}"
-                  f"{percentile(r.tpot_s or [], 99) * 1e3:>10.2f}{r.errors:>8}")
+            print(
+                f"{name:<12}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>10.1f}"
+                f"{r.ttft_pct(99) * 1e3:>10.1f}{percentile(r.tpot_s or [], 50) * 1e3:>10.2f}"
+                f"{percentile(r.tpot_s or [], 99) * 1e3:>10.2f}{r.errors:>8}"
+            )
     if ns.json:
-        Path(ns.json).write_text(json.dumps([{"peer": name, "ready_s": round(ready, 1), **r.row()}
-                                             for name, (ready, rows) in results.items() for r in rows], indent=2))
+        Path(ns.json).write_text(
+            json.dumps(
+                [
+                    {"peer": name, "ready_s": round(ready, 1), **r.row()}
+                    for name, (ready, rows) in results.items()
+                    for r in rows
+                ],
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

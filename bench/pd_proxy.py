@@ -20,8 +20,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def make_app(prefill_url: str, decode_url: str) -> Starlette:
@@ -46,16 +52,23 @@ def make_app(prefill_url: str, decode_url: str) -> Starlette:
             finally:
                 await upstream.aclose()
 
-        return StreamingResponse(relay(), status_code=upstream.status_code,
-                                 media_type=upstream.headers.get("content-type", "application/json"))
+        return StreamingResponse(
+            relay(),
+            status_code=upstream.status_code,
+            media_type=upstream.headers.get("content-type", "application/json"),
+        )
 
     async def models(request: Request) -> Response:
         r = await client.get(decode_url + "/v1/models")
         return Response(r.content, r.status_code, media_type="application/json")
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/chat/completions", completions, methods=["POST"]),
-                             Route("/v1/models", models, methods=["GET"])])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+        ]
+    )
 
 
 def main() -> None:

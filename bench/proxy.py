@@ -31,8 +31,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
 from bench.loadgen import LoadResult, make_prompts, percentile, run_load  # noqa: E402
+from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
@@ -46,12 +46,15 @@ async def short_requests(base_url: str, n: int, concurrency: int) -> dict:
     prompts = iter(make_prompts(n, 8, seed=7))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
         async def worker():
             nonlocal errors
             for prompt in prompts:
                 t = time.perf_counter()
-                r = await client.post(base_url + "/v1/completions",
-                                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+                r = await client.post(
+                    base_url + "/v1/completions",
+                    json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+                )
                 if r.status_code == 200:
                     latencies.append(time.perf_counter() - t)
                 else:
@@ -60,8 +63,12 @@ async def short_requests(base_url: str, n: int, concurrency: int) -> dict:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return {"req_s": len(latencies) / wall, "p50_ms": percentile(latencies, 50) * 1e3,
-            "p99_ms": percentile(latencies, 99) * 1e3, "errors": errors}
+    return {
+        "req_s": len(latencies) / wall,
+        "p50_ms": percentile(latencies, 50) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
+        "errors": errors,
+    }
 
 
 def bench_peer(name: str, haproxy: bool, ns: argparse.Namespace, model_dir: str) -> dict:
@@ -75,8 +82,9 @@ def bench_peer(name: str, haproxy: bool, ns: argparse.Namespace, model_dir: str)
         listening = _listeners(cluster)
         asyncio.run(short_requests(cluster.base_url, 32, 4))  # warm-up
         short = asyncio.run(short_requests(cluster.base_url, ns.short_requests, ns.short_concurrency))
-        stream: LoadResult = asyncio.run(run_load(cluster.base_url, MODEL, make_prompts(ns.requests, 16), ns.concurrency,
-                                                  ns.max_tokens))
+        stream: LoadResult = asyncio.run(
+            run_load(cluster.base_url, MODEL, make_prompts(ns.requests, 16), ns.concurrency, ns.max_tokens)
+        )
     finally:
         cluster.stop()
     print(f"{name}: ready in {ready:.0f} s; HTTP listeners of Serve: {listening}", flush=True)
@@ -109,7 +117,7 @@ def main() -> None:
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
 
-    from app.tiny_model import make_tiny_model
+    from app.clusters.tiny_model import make_tiny_model
 
     model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama"))
     runs: dict[str, list[dict]] = {name: [] for name in PEERS}
@@ -117,17 +125,24 @@ def main() -> None:
         for name, haproxy in PEERS.items():
             runs[name].append(bench_peer(name, haproxy, ns, model_dir))
 
-    print(f"\n{'proxy':<9}{'short req/s':>12}{'p50 ms':>9}{'p99 ms':>9}{'stream tok/s':>14}{'TTFT p50':>10}{'TTFT p99':>10}{'err':>5}")
+    print(
+        f"\n{'proxy':<9}{'short req/s':>12}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'stream tok/s':>14}{'TTFT p50':>10}{'TTFT p99':>10}{'err':>5}"
+    )
     for name, rows in runs.items():
         for r in rows:
             s, t = r["short"], r["stream"]
-            print(f"{name:<9}{s['req_s']:>12.1f}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{t['out_tok_s']:>14.1f}"
-                  f"{t['ttft_p50_ms']:>10.1f}{t['ttft_p99_ms']:>10.1f}{s['errors'] + t['errors']:>5}")
+            print(
+                f"{name:<9}{s['req_s']:>12.1f}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{t['out_tok_s']:>14.1f}"
+                f"{t['ttft_p50_ms']:>10.1f}{t['ttft_p99_ms']:>10.1f}{s['errors'] + t['errors']:>5}"
+            )
     for d, h in zip(runs["default"], runs["haproxy"]):
-        print(f"ratio haproxy/default: short req/s {h['short']['req_s'] / d['short']['req_s']:.2f}x, "
-              f"latency p50 {h['short']['p50_ms'] / d['short']['p50_ms']:.2f}x; "
-              f"stream tok/s {h['stream']['out_tok_s'] / d['stream']['out_tok_s']:.2f}x, "
-              f"TTFT p50 {h['stream']['ttft_p50_ms'] / d['stream']['ttft_p50_ms']:.2f}x")
+        print(
+            f"ratio haproxy/default: short req/s {h['short']['req_s'] / d['short']['req_s']:.2f}x, "
+            f"latency p50 {h['short']['p50_ms'] / d['short']['p50_ms']:.2f}x; "
+            f"stream tok/s {h['stream']['out_tok_s'] / d['stream']['out_tok_s']:.2f}x, "
+            f"TTFT p50 {h['stream']['ttft_p50_ms'] / d['stream']['ttft_p50_ms']:.2f}x"
+        )
     if ns.json:
         Path(ns.json).write_text(json.dumps(runs, indent=2))
 

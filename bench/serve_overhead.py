@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
 from bench.loadgen import LoadResult, cpu_by_process, cpu_used_s, make_prompts, run_load, run_load_processes, tree_cpu_s  # noqa: E402
-from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV  # noqa: E402
+from deployments.engine import NO_NVLINK_MULTICAST_ENV  # noqa: E402
+from tests.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
 
 MODEL = "bench-model"
 
@@ -59,7 +59,11 @@ def engine_env(ns: argparse.Namespace) -> dict[str, str]:
         return dict(NO_NVLINK_MULTICAST_ENV)  # for vLLM's own server too (Summit's builder sets it for its engines)
     # Ray sets OMP_NUM_THREADS from a replica's num_cpus (0.5 -> 1 thread); vLLM's own server would take every
     # core. Both peers get the same thread count so that the ratio measures the serving path, not the threads.
-    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(ns.omp_threads)}
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": str(ns.omp_threads),
+    }
 
 
 def cli_flags(kwargs: dict) -> list[str]:
@@ -105,7 +109,7 @@ def copy_bandwidth_gbs() -> float:
 
 def hbm_bound_tok_s(model_dir: str, bandwidth_gbs: float) -> float:
     """Single-stream decode ceiling: every weight byte is read once per token at the measured copy rate."""
-    from app.planner import load_shape, weight_bytes
+    from app.plan.planner import load_shape, weight_bytes
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     shape = load_shape(model_dir, config)
@@ -116,8 +120,15 @@ def hbm_bound_tok_s(model_dir: str, bandwidth_gbs: float) -> float:
 def run_loads(base_url: str | list[str], ns: argparse.Namespace, server_pids: list[int]) -> list[LoadResult]:
     """Each concurrency level's load over the models, with the CPU the servers' process trees used meanwhile."""
     models = model_names(ns)
-    asyncio.run(run_load(base_url, models, make_prompts(4 * len(models), ns.prompt_words, seed=1,
-                                                           distinct=getattr(ns, "distinct_prompts", False)), 4, 8))
+    asyncio.run(
+        run_load(
+            base_url,
+            models,
+            make_prompts(4 * len(models), ns.prompt_words, seed=1, distinct=getattr(ns, "distinct_prompts", False)),
+            4,
+            8,
+        )
+    )
     results = []
     for c in ns.concurrency:
         n = ns.requests if ns.requests_per_stream is None else max(8, c * ns.requests_per_stream)
@@ -128,14 +139,19 @@ def run_loads(base_url: str | list[str], ns: argparse.Namespace, server_pids: li
         result.serving_cpu_s = sum(cpu_used_s(b, a) for b, a in zip(before, after))
         merged_before = {k: v for b in before for k, v in b.items()}
         result.cpu_breakdown = cpu_by_process(merged_before, {k: v for a in after for k, v in a.items()})
-        print(f"  c={c}: {result.tok_per_s:.0f} tok/s, TTFT p50 {result.ttft_pct(50) * 1e3:.1f} ms, "
-              f"p99 {result.ttft_pct(99) * 1e3:.1f} ms; CPU s by process: "
-              + ", ".join(f"{name} {s:.1f}" for name, s in result.cpu_breakdown), flush=True)
+        print(
+            f"  c={c}: {result.tok_per_s:.0f} tok/s, TTFT p50 {result.ttft_pct(50) * 1e3:.1f} ms, "
+            f"p99 {result.ttft_pct(99) * 1e3:.1f} ms; CPU s by process: "
+            + ", ".join(f"{name} {s:.1f}" for name, s in result.cpu_breakdown),
+            flush=True,
+        )
         results.append(result)
     return results
 
 
-def bench_vllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1) -> tuple[float, list[LoadResult]]:
+def bench_vllm(
+    ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1
+) -> tuple[float, list[LoadResult]]:
     """vLLM's api_server, one per model (`--models`), each on its own port."""
     flags = {**engine_kwargs(ns), "tensor_parallel_size": tp}
     if replicas > 1:
@@ -147,12 +163,34 @@ def bench_vllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: in
         t0 = time.monotonic()
         for name in model_names(ns):
             port = free_port()
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                   "--served-model-name", name, "--host", LOOPBACK, "--port", str(port), "--disable-uvicorn-access-log",
-                   *cli_flags(flags)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_dir,
+                "--served-model-name",
+                name,
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(port),
+                "--disable-uvicorn-access-log",
+                *cli_flags(flags),
+            ]
             log = open(Path(tempfile.gettempdir()) / f"bench-vllm-{port}.log", "wb")
-            servers.append((subprocess.Popen(cmd, env=loopback_env(engine_env(ns)), stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True), f"http://{LOOPBACK}:{port}"))
+            servers.append(
+                (
+                    subprocess.Popen(
+                        cmd,
+                        env=loopback_env(engine_env(ns)),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    ),
+                    f"http://{LOOPBACK}:{port}",
+                )
+            )
         for proc, url in servers:
             wait_http(url + "/v1/models", proc, ns.start_timeout)
         ready = time.monotonic() - t0
@@ -163,16 +201,41 @@ def bench_vllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: in
             proc.wait(60)
 
 
-def bench_summit(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1,
-                 haproxy: bool = False, monitoring: dict | None = None) -> tuple[float, list[LoadResult]]:
-    models = [{"name": name, "source": model_dir, "accelerator": ns.accelerator, "tensor_parallel_size": tp,
-               "gpus_per_node": max(tp, 1), "engine_kwargs": engine_kwargs(ns), "stream_coalesce_ms": ns.coalesce_ms,
-               "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas}}
-              for name in model_names(ns)]
-    config = {"proxy_location": "HeadOnly", "applications": [{
-        "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
-        "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
-        "args": {"models": models, **({"monitoring": monitoring} if monitoring else {})}}]}
+def bench_summit(
+    ns: argparse.Namespace,
+    model_dir: str,
+    tp: int = 1,
+    replicas: int = 1,
+    haproxy: bool = False,
+    monitoring: dict | None = None,
+) -> tuple[float, list[LoadResult]]:
+    models = [
+        {
+            "name": name,
+            "source": model_dir,
+            "accelerator": ns.accelerator,
+            "tensor_parallel_size": tp,
+            "gpus_per_node": max(tp, 1),
+            "engine_kwargs": engine_kwargs(ns),
+            "stream_coalesce_ms": ns.coalesce_ms,
+            "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas},
+        }
+        for name in model_names(ns)
+    ]
+    config = {
+        "proxy_location": "HeadOnly",
+        "applications": [
+            {
+                "name": "summit",
+                "route_prefix": "/",
+                "import_path": "app.build:build_app",
+                "runtime_env": {
+                    "env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}
+                },
+                "args": {"models": models, **({"monitoring": monitoring} if monitoring else {})},
+            }
+        ],
+    }
     return serve_peer(ns, config, engine_env(ns), haproxy)
 
 
@@ -182,7 +245,9 @@ MONITORING_OFF = {"metrics": False, "tracing": {"exporter": "none"}}
 MONITORING_ON = {"metrics": True, "tracing": {"exporter": "memory"}}
 
 
-def serve_peer(ns: argparse.Namespace, config: dict, env: dict[str, str], haproxy: bool) -> tuple[float, list[LoadResult]]:
+def serve_peer(
+    ns: argparse.Namespace, config: dict, env: dict[str, str], haproxy: bool
+) -> tuple[float, list[LoadResult]]:
     """A private Ray cluster with `config` deployed: (seconds until it answered, the loads' results)."""
     cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=haproxy)
     try:
@@ -198,21 +263,37 @@ def serve_peer(ns: argparse.Namespace, config: dict, env: dict[str, str], haprox
 RAYLLM_SITE = Path(__file__).resolve().parent / ".rayllm-site"
 
 
-def bench_rayllm(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1) -> tuple[float, list[LoadResult]]:
+def bench_rayllm(
+    ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1
+) -> tuple[float, list[LoadResult]]:
     """Ray Serve LLM 2.60 (`ray.serve.llm:build_openai_app`) with its direct streaming (HAProxy -> its LLMServer
     replica), one model, the same engine settings and HAProxy environment as Summit's direct path. Its extra
     dependencies live apart from Summit's: `pip install --target bench/.rayllm-site --no-deps pyarrow jsonref`."""
     if not (RAYLLM_SITE / "pyarrow").is_dir():
-        raise SystemExit(f"Ray Serve LLM needs pyarrow and jsonref: pip install --target {RAYLLM_SITE} --no-deps pyarrow jsonref")
-    llm_config = {"model_loading_config": {"model_id": MODEL, "model_source": model_dir},
-                  "engine_kwargs": {**engine_kwargs(ns), "tensor_parallel_size": tp},
-                  "deployment_config": {"num_replicas": replicas}}
+        raise SystemExit(
+            f"Ray Serve LLM needs pyarrow and jsonref: pip install --target {RAYLLM_SITE} --no-deps pyarrow jsonref"
+        )
+    llm_config = {
+        "model_loading_config": {"model_id": MODEL, "model_source": model_dir},
+        "engine_kwargs": {**engine_kwargs(ns), "tensor_parallel_size": tp},
+        "deployment_config": {"num_replicas": replicas},
+    }
     if ns.accelerator == "cpu":
         llm_config["accelerator_config"] = {"kind": "cpu"}
-    config = {"proxy_location": "HeadOnly", "applications": [{
-        "name": "rayllm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app",
-        "runtime_env": {"env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}},
-        "args": {"llm_configs": [llm_config]}}]}
+    config = {
+        "proxy_location": "HeadOnly",
+        "applications": [
+            {
+                "name": "rayllm",
+                "route_prefix": "/",
+                "import_path": "ray.serve.llm:build_openai_app",
+                "runtime_env": {
+                    "env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}
+                },
+                "args": {"llm_configs": [llm_config]},
+            }
+        ],
+    }
     path = os.pathsep.join(x for x in [str(RAYLLM_SITE), os.environ.get("PYTHONPATH", "")] if x)
     env = {**engine_env(ns), "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "PYTHONPATH": path}
     return serve_peer(ns, config, env, haproxy=True)
@@ -232,31 +313,62 @@ def main() -> None:
     p.add_argument("--model-dir", help="model or config dir (default: make the tiny model)")
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--load-format", default=None, help="e.g. dummy (random weights for a config-only dir)")
-    p.add_argument("--layouts", nargs="+", default=["1x1"],
-                   help="TPxREPLICAS per run, e.g. 2x1 1x2 (vLLM: --tensor-parallel-size TP --data-parallel-size REPLICAS)")
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["1x1"],
+        help="TPxREPLICAS per run, e.g. 2x1 1x2 (vLLM: --tensor-parallel-size TP --data-parallel-size REPLICAS)",
+    )
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing each load level")
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--requests-per-stream", type=int, default=None,
-                   help="requests = max(8, concurrency x this) at each level (instead of --requests)")
+    p.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=None,
+        help="requests = max(8, concurrency x this) at each level (instead of --requests)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--concurrency", type=int, nargs="+", default=[16])
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--coalesce-ms", type=float, default=None, help="Summit's stream_coalesce_ms (default: the config default)")
+    p.add_argument(
+        "--coalesce-ms", type=float, default=None, help="Summit's stream_coalesce_ms (default: the config default)"
+    )
     p.add_argument("--omp-threads", type=int, default=1, help="CPU engine threads for both peers (cpu only)")
     p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--hops", action="store_true", help="also Summit on the two-hop path (Serve's Python proxy -> "
-                   "OpenAIIngress -> replica); `summit` is the direct path (HAProxy -> replica)")
-    p.add_argument("--rounds", type=int, default=1, help="alternate the peers this many times; report each peer's "
-                   "median round (by tok/s at each concurrency)")
-    p.add_argument("--rayllm", action="store_true", help="also Ray Serve LLM 2.60 with its direct streaming (one "
-                   "model; see bench_rayllm for its extra dependencies)")
-    p.add_argument("--models", type=int, default=1, help="models of one shape, one engine each, the load spread over "
-                   "them (Summit: one application; vLLM: one api_server each; Ray Serve LLM: not with N > 1)")
+    p.add_argument(
+        "--hops",
+        action="store_true",
+        help="also Summit on the two-hop path (Serve's Python proxy -> "
+        "OpenAIIngress -> replica); `summit` is the direct path (HAProxy -> replica)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate the peers this many times; report each peer's median round (by tok/s at each concurrency)",
+    )
+    p.add_argument(
+        "--rayllm",
+        action="store_true",
+        help="also Ray Serve LLM 2.60 with its direct streaming (one "
+        "model; see bench_rayllm for its extra dependencies)",
+    )
+    p.add_argument(
+        "--models",
+        type=int,
+        default=1,
+        help="models of one shape, one engine each, the load spread over "
+        "them (Summit: one application; vLLM: one api_server each; Ray Serve LLM: not with N > 1)",
+    )
     p.add_argument("--only", choices=["vllm", "summit", "summit-hops", "rayllm"], default=None)
-    p.add_argument("--monitoring-cost", action="store_true", help="only Summit, monitoring off vs on (metrics and "
-                   "traces), alternating; prints the CPU-seconds per 1,000 tokens and tok/s ratios")
+    p.add_argument(
+        "--monitoring-cost",
+        action="store_true",
+        help="only Summit, monitoring off vs on (metrics and "
+        "traces), alternating; prints the CPU-seconds per 1,000 tokens and tok/s ratios",
+    )
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     if ns.coalesce_ms is None:
@@ -266,7 +378,7 @@ def main() -> None:
 
     model_dir = ns.model_dir
     if model_dir is None:
-        from app.tiny_model import make_tiny_model
+        from app.clusters.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama"))
 
@@ -276,16 +388,21 @@ def main() -> None:
         bound = hbm_bound_tok_s(model_dir, bw)
         print(f"copy bandwidth {bw:.0f} GB/s; single-stream HBM bound {bound:.1f} tok/s", flush=True)
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in ns.layouts]
-    peers = {"vllm": bench_vllm,
-             "summit": lambda ns, model_dir, tp, r: bench_summit(ns, model_dir, tp, r, haproxy=True),
-             "summit-hops": bench_summit, "rayllm": bench_rayllm,
-             "summit-monitoring-off": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, MONITORING_OFF),
-             "summit-monitoring-on": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, MONITORING_ON)}
+    peers = {
+        "vllm": bench_vllm,
+        "summit": lambda ns, model_dir, tp, r: bench_summit(ns, model_dir, tp, r, haproxy=True),
+        "summit-hops": bench_summit,
+        "rayllm": bench_rayllm,
+        "summit-monitoring-off": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, MONITORING_OFF),
+        "summit-monitoring-on": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, MONITORING_ON),
+    }
     wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set()) | ({"rayllm"} if ns.rayllm else set())
     if ns.monitoring_cost:
         wanted = {"summit-monitoring-off", "summit-monitoring-on"}
     if ns.models > 1 and "rayllm" in wanted:
-        raise SystemExit("--rayllm takes one model: Ray Serve LLM 2.60's direct streaming serves one model per application")
+        raise SystemExit(
+            "--rayllm takes one model: Ray Serve LLM 2.60's direct streaming serves one model per application"
+        )
     rounds: dict[str, list[tuple[float, list[LoadResult]]]] = {}
     for round_no in range(ns.rounds):
         for tp, replicas in layouts:
@@ -293,30 +410,40 @@ def main() -> None:
             for name, fn in peers.items():
                 if name in wanted and ns.only in (None, name):
                     rounds.setdefault(name + suffix, []).append(fn(ns, model_dir, tp, replicas))
-                    print(f"round {round_no + 1} {name + suffix}: ready in {rounds[name + suffix][-1][0]:.1f} s "
-                          f"tok/s {[round(r.tok_per_s) for r in rounds[name + suffix][-1][1]]}", flush=True)
+                    print(
+                        f"round {round_no + 1} {name + suffix}: ready in {rounds[name + suffix][-1][0]:.1f} s "
+                        f"tok/s {[round(r.tok_per_s) for r in rounds[name + suffix][-1][1]]}",
+                        flush=True,
+                    )
                     if ns.json:  # after every peer, so that a run cut off by a time limit keeps what it measured
                         write_json(ns.json, {name: median_round(runs) for name, runs in rounds.items()})
     results = {name: median_round(runs) for name, runs in rounds.items()}
 
-    print(f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}"
-          f"{'CPU s/1k tok':>14}")
+    print(
+        f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}{'CPU s/1k tok':>14}"
+    )
     for name, (_, rows) in results.items():
         for r in rows:
-            print(f"{name:<22}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
-                  f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}{r.cpu_per_1k_tok() or float('nan'):>14.2f}")
+            print(
+                f"{name:<22}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
+                f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}{r.cpu_per_1k_tok() or float('nan'):>14.2f}"
+            )
     for name in results:
-        base = "vllm" + name[len(name.split(" ")[0]):]  # the vLLM run of the same layout
+        base = "vllm" + name[len(name.split(" ")[0]) :]  # the vLLM run of the same layout
         if name != base and base in results:
             for v, s in zip(results[base][1], results[name][1]):
-                print(f"ratio {name}/{base} at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
-                      f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x")
+                print(
+                    f"ratio {name}/{base} at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
+                    f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x"
+                )
     off, on = results.get("summit-monitoring-off"), results.get("summit-monitoring-on")
     if off and on:
         for a, b in zip(off[1], on[1]):
-            print(f"ratio monitoring on/off at c={a.concurrency}: CPU s/1k tok "
-                  f"{(b.cpu_per_1k_tok() or 0) / (a.cpu_per_1k_tok() or float('nan')):.3f}x, tok/s "
-                  f"{b.tok_per_s / a.tok_per_s:.3f}x")
+            print(
+                f"ratio monitoring on/off at c={a.concurrency}: CPU s/1k tok "
+                f"{(b.cpu_per_1k_tok() or 0) / (a.cpu_per_1k_tok() or float('nan')):.3f}x, tok/s "
+                f"{b.tok_per_s / a.tok_per_s:.3f}x"
+            )
     if bound:
         for name, (_, rows) in results.items():
             for r in rows:
@@ -327,8 +454,9 @@ def main() -> None:
 
 
 def write_json(path: str, results: dict) -> None:
-    rows = [{"peer": name, "ready_s": round(ready, 1), **x.row()} for name, (ready, loads) in results.items()
-            for x in loads]
+    rows = [
+        {"peer": name, "ready_s": round(ready, 1), **x.row()} for name, (ready, loads) in results.items() for x in loads
+    ]
     Path(path).write_text(json.dumps(rows, indent=2))
 
 

@@ -1,1 +1,1 @@
-"""Ray Serve deployments of Summit. Only vllm_adapter.py imports vLLM internals."""
+"""Summit's runtime: what runs inside Ray Serve replicas. Only deployments/engine/ imports vLLM internals."""

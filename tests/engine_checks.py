@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+
 import psutil
 
+from deployments.engine import NO_NVLINK_MULTICAST_ENV
 from tests.local_cluster import LocalCluster
-from deployments.vllm_adapter import NO_NVLINK_MULTICAST_ENV
 
 RAY_WORKERS = {"RayWorkerProc", "RayWorkerWrapper"}  # vLLM's Ray worker actor: 0.32 (RayExecutorV2) / 0.26
 
@@ -21,8 +27,11 @@ def vllm_workers(cluster: LocalCluster) -> list[dict]:
 def engine_processes(cluster: LocalCluster, replica: dict) -> list[psutil.Process]:
     """The replica's process, its children (engine core, mp workers) and vLLM's Ray workers in its placement group."""
     proc = psutil.Process(replica["pid"])
-    workers = [psutil.Process(w["pid"]) for w in vllm_workers(cluster)
-               if replica["placement_group_id"] and w["placement_group_id"] == replica["placement_group_id"]]
+    workers = [
+        psutil.Process(w["pid"])
+        for w in vllm_workers(cluster)
+        if replica["placement_group_id"] and w["placement_group_id"] == replica["placement_group_id"]
+    ]
     return [proc, *proc.children(recursive=True), *workers]
 
 
@@ -39,6 +48,29 @@ def assert_multicast_off(cluster: LocalCluster, replica: dict) -> None:
     assert config, f"no engine config line in {[f.name for f in logs]}"
     assert "'fuse_allreduce_rms': False" in config[0], config[0][-2000:]
     assert not any("mnnvl" in t for t in text)
+
+
+def model_engine_cores(cluster: LocalCluster, model: str) -> list[psutil.Process]:
+    """The engine core processes of every replica of `model`'s deployment (`a+b` for a pool of two models)."""
+    cores = [p for r in replica_actors(cluster, model) for p in engine_core_processes(r["pid"])]
+    assert cores, f"each replica of {model} should own a vLLM EngineCore process"
+    return cores
+
+
+@contextlib.contextmanager
+def paused(procs: list[psutil.Process]):
+    """Engine cores paused (SIGSTOP) for the block, where nothing needs to flow meanwhile; resumed after it (those
+    still alive)."""
+    for p in procs:
+        p.suspend()
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def engine_core_processes(replica_pid: int) -> list[psutil.Process]:
@@ -67,10 +99,95 @@ def kill_engine_and_wait_for_answers(base_url: str, model: str, replica_pid: int
         errors.append(r)
         time.sleep(1)
     else:
-        raise AssertionError(f"no successful request within {timeout_s:.0f} s; last: {errors[-1].status_code} {errors[-1].text}")
+        raise AssertionError(
+            f"no successful request within {timeout_s:.0f} s; last: {errors[-1].status_code} {errors[-1].text}"
+        )
     assert errors, "requests right after the crash should fail cleanly, not succeed on a dead engine"
     for failed in errors:
         assert failed.status_code == 503, failed.text
         assert failed.json()["error"]["type"] == "ServiceUnavailableError"
         assert failed.headers["retry-after"] and "Traceback" not in failed.text
     return errors
+
+
+_THROTTLE = """
+import os, signal, sys, time
+run_s, period_s, pids = float(sys.argv[1]), float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+state = {"done": False, "held": False}
+
+def send(sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+def stop(*_):
+    state["done"] = True
+
+def hold(*_):
+    state["held"] = True
+    send(signal.SIGSTOP)
+
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGUSR1, hold)
+try:  # keep the duty cycle on a loaded box: a real-time thread wakes when its sleep ends, before any other (root)
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+except (OSError, AttributeError):
+    try:
+        os.nice(-10)
+    except OSError:
+        pass
+print("throttling", flush=True)
+while not state["done"]:
+    if state["held"]:
+        time.sleep(0.05)
+        continue
+    send(signal.SIGCONT)
+    time.sleep(run_s)
+    send(signal.SIGSTOP)
+    time.sleep(period_s - run_s)
+send(signal.SIGCONT)
+"""
+
+
+class Throttle:
+    """Engine core processes slowed to a crawl: paused (SIGSTOP) except for `run_s` of every
+    `period_s` (SIGCONT: a step or two of the tiny model), so a stream keeps flowing — its replica keeps writing,
+    which is how it sees a client's disconnect — but cannot end while a test waits for something slower (a fault, a
+    disconnect crossing HAProxy on a loaded box). The duty cycle runs in a process of its own: a thread of the test
+    process would wait for the GIL behind the test's client threads and let the engines run far longer than `run_s`.
+    `hold()` pauses them for good (until the context ends). A context manager; leaving it resumes them."""
+
+    def __init__(self, procs: list[psutil.Process], run_s: float = 0.002, period_s: float = 0.25):
+        self.procs, self.run_s, self.period_s = procs, run_s, period_s
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Throttle:
+        args = [str(self.run_s), str(self.period_s), *(str(p.pid) for p in self.procs)]
+        self._proc = subprocess.Popen([sys.executable, "-c", _THROTTLE, *args], stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout.readline().strip() == "throttling"
+        return self
+
+    def hold(self) -> None:
+        """Paused from now on, no step more, until the context ends."""
+        self._proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(_stopped(p) for p in self.procs):
+            time.sleep(0.01)
+
+    def __exit__(self, *exc) -> None:
+        self._proc.terminate()
+        self._proc.wait(30)
+        for p in self.procs:  # resumed whatever the script managed
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _stopped(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return True

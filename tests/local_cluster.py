@@ -17,20 +17,25 @@ from pathlib import Path
 import psutil
 import yaml
 
-from app.job_env import LOOPBACK, free_port, free_port_window, haproxy_env
+from app.clusters.job_env import LOOPBACK, free_port, haproxy_env
+
+SHM = "/dev/shm"
+
 
 def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for Ray processes and clients: auth off on loopback, and Ray kept on 127.0.0.1."""
     env = dict(os.environ)
-    env.update({
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        # Ray waits 30 s for its GCS to write its port; a loaded 2-core CI box took longer once
-        "RAY_gcs_server_port_wait_time_s": os.environ.get("RAY_gcs_server_port_wait_time_s", "120"),
-    })
+    env.update(
+        {
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            # Ray waits 30 s for its GCS to write its port; a loaded 2-core CI box took longer once
+            "RAY_gcs_server_port_wait_time_s": os.environ.get("RAY_gcs_server_port_wait_time_s", "120"),
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -55,6 +60,7 @@ class LocalCluster:
     metrics_port: int = field(default_factory=free_port)  # the head node's Prometheus endpoint (Ray's metrics agent)
     proc: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
+    _shm_before: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.haproxy:  # fixed here: every process of the cluster must see the same HAProxy files and ports
@@ -74,29 +80,66 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 300) -> LocalCluster:
         log = open(self.temp_dir / "ray-start.log", "wb")
+        self._shm_before = _shared_memory()
         ports = {
-            "--port": self.gcs_port, "--dashboard-port": self.dashboard_port,
-            "--node-manager-port": free_port(), "--object-manager-port": free_port(),
-            "--ray-client-server-port": free_port(), "--metrics-export-port": self.metrics_port,
-            "--dashboard-agent-listen-port": free_port(), "--runtime-env-agent-port": free_port(),
+            "--port": self.gcs_port,
+            "--dashboard-port": self.dashboard_port,
+            "--node-manager-port": free_port(),
+            "--object-manager-port": free_port(),
+            "--ray-client-server-port": free_port(),
+            "--metrics-export-port": self.metrics_port,
+            "--dashboard-agent-listen-port": free_port(),
+            "--runtime-env-agent-port": free_port(),
         }
-        cmd = ["ray", "start", "--head", "--block", "--node-ip-address", self.node_ip, "--dashboard-host", self.node_ip,
-               "--temp-dir", str(self.temp_dir), "--num-cpus", str(self.num_cpus), "--disable-usage-stats"]
+        cmd = [
+            "ray",
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            self.node_ip,
+            "--dashboard-host",
+            self.node_ip,
+            "--temp-dir",
+            str(self.temp_dir),
+            "--num-cpus",
+            str(self.num_cpus),
+            "--disable-usage-stats",
+        ]
         for flag, port in ports.items():
             cmd += [flag, str(port)]
         if self.num_gpus is not None:
             cmd += ["--num-gpus", str(self.num_gpus)]
-        self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait(lambda: _http_ok(self.dashboard_url + "/api/version"), timeout_s, "Ray dashboard")
         return self
 
-    def add_worker(self, node_ip: str, num_cpus: float, num_gpus: int = 0, env: dict[str, str] | None = None,
-                   prefix: list[str] | None = None, timeout_s: float = 120) -> None:
+    def add_worker(
+        self,
+        node_ip: str,
+        num_cpus: float,
+        num_gpus: int = 0,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+        timeout_s: float = 120,
+    ) -> None:
         """Join a worker node (e.g. inside a network namespace: `prefix=NetnsHost.exec_prefix`)."""
         log = open(self.temp_dir / f"ray-worker-{len(self.workers)}.log", "wb")
-        cmd = [*(prefix or []), "ray", "start", "--block", "--address", self.address, "--node-ip-address", node_ip,
-               "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--disable-usage-stats"]
+        cmd = [
+            *(prefix or []),
+            "ray",
+            "start",
+            "--block",
+            "--address",
+            self.address,
+            "--node-ip-address",
+            node_ip,
+            "--num-cpus",
+            str(num_cpus),
+            "--num-gpus",
+            str(num_gpus),
+            "--disable-usage-stats",
+        ]
         worker = subprocess.Popen(cmd, env=self._env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.workers.append(worker)
 
@@ -128,15 +171,23 @@ class LocalCluster:
         # vLLM's IPC sockets go to the cluster's temp dir (removed by stop()), not /tmp where killed engines leave them.
         # The Batch API's database and files too (serve_configs/tiny-cpu.yaml reads SUMMIT_BATCH_DIR).
         # Metrics reach each node's endpoint within 2 s (Ray's default: 10 s), so tests that read them wait less.
-        env = loopback_env({"VLLM_RPC_BASE_PATH": str(self.temp_dir), "SUMMIT_BATCH_DIR": str(self.temp_dir / "batch"),
-                            "RAY_metrics_report_interval_ms": "2000", **self.env, **(extra or {})})
+        env = loopback_env(
+            {
+                "VLLM_RPC_BASE_PATH": str(self.temp_dir),
+                "SUMMIT_BATCH_DIR": str(self.temp_dir / "batch"),
+                "RAY_metrics_report_interval_ms": "2000",
+                **self.env,
+                **(extra or {}),
+            }
+        )
         if self.node_ip != LOOPBACK:
             # Ray refuses to add nodes when this is 0 (which keeps a one-node cluster on 127.0.0.1).
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
         return env
 
-    def serve_deploy(self, config: dict, timeout_s: float = 600, ready_path: str = "/v1/models",
-                     while_waiting=None) -> None:
+    def serve_deploy(
+        self, config: dict, timeout_s: float = 600, ready_path: str = "/v1/models", while_waiting=None
+    ) -> None:
         """`serve deploy` a Serve config dict (its http_options are pointed at this cluster's port);
         `while_waiting()` is called about once a second until the app is ready."""
         config = dict(config)
@@ -146,13 +197,18 @@ class LocalCluster:
         names = {a.get("name", "default") for a in config.get("applications", [])}
         before = {name: a.get("last_deployed_time_s") for name, a in self.serve_applications().items() if name in names}
         for attempt in range(6):  # the dashboard answers /api/version before its Serve endpoint is ready
-            deploy = subprocess.run(["serve", "deploy", str(path), "-a", self.dashboard_url],
-                                    env=self._env(), capture_output=True, text=True)
+            deploy = subprocess.run(
+                ["serve", "deploy", str(path), "-a", self.dashboard_url],
+                env=self._env(),
+                capture_output=True,
+                text=True,
+            )
             if deploy.returncode == 0:
                 break
             time.sleep(5)
         else:
             raise RuntimeError(f"serve deploy failed: {deploy.stderr[-2000:] or deploy.stdout[-2000:]}")
+
         # A redeploy keeps answering from the old replicas: wait until Serve has taken this deploy and reports
         # every app RUNNING (or one DEPLOY_FAILED, raised), and the HTTP path answers.
         def ready() -> bool:
@@ -183,35 +239,42 @@ class LocalCluster:
             return False  # still the previous deploy's state
         failed = {name: a.get("message", "") for name, a in apps.items() if a.get("status") == "DEPLOY_FAILED"}
         if failed:
-            raise DeployFailed("; ".join(f"application {name!r} failed to deploy: {msg}" for name, msg in failed.items()))
+            raise DeployFailed(
+                "; ".join(f"application {name!r} failed to deploy: {msg}" for name, msg in failed.items())
+            )
         return bool(apps) and all(a.get("status") == "RUNNING" for a in apps.values())
 
     def serve_shutdown(self, timeout_s: float = 180) -> None:
         """`serve shutdown`, then wait until Serve's controller has exited: the command gives up waiting after 30 s
         (replicas draining), and a `serve deploy` sent to a controller that is still going down is lost."""
-        subprocess.run(["serve", "shutdown", "-a", self.dashboard_url, "-y"], env=self._env(),
-                       capture_output=True, timeout=120)
-        self._wait(lambda: not any(a.get("class_name") == "ServeController" for a in self.alive_actors()), timeout_s,
-                   "Serve controller exit")
+        subprocess.run(
+            ["serve", "shutdown", "-a", self.dashboard_url, "-y"], env=self._env(), capture_output=True, timeout=120
+        )
+        self._wait(
+            lambda: not any(a.get("class_name") == "ServeController" for a in self.alive_actors()),
+            timeout_s,
+            "Serve controller exit",
+        )
 
     def stop(self) -> None:
-        """Serve shutdown, then stop every process this cluster started (by PID), then remove its temp dir."""
+        """Kill every process this cluster started (by PID, SIGKILL: a test cluster's state is thrown away, and
+        `serve shutdown` + SIGTERM took ≈ 50 s of each module's teardown), free the shared memory its engines left,
+        then remove its temp dir."""
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                self.serve_shutdown()
-            except subprocess.TimeoutExpired:
-                pass
-            # Ray's daemons and workers run in sessions of their own: signal each descendant, not a group.
+            # Ray's daemons and workers run in sessions of their own: collect every descendant first, then kill
             procs = []
             for root in [*self.workers, self.proc]:
                 if root.poll() is None:
-                    procs += [psutil.Process(root.pid)] + psutil.Process(root.pid).children(recursive=True)
+                    try:
+                        procs += [psutil.Process(root.pid)] + psutil.Process(root.pid).children(recursive=True)
+                    except psutil.NoSuchProcess:
+                        pass
             for p in procs:
-                _signal(p, signal.SIGTERM)
-            _, alive = psutil.wait_procs(procs, timeout=15)
-            for p in alive:
                 _signal(p, signal.SIGKILL)
-            psutil.wait_procs(alive, timeout=10)
+            psutil.wait_procs(procs, timeout=20)
+            for root in [*self.workers, self.proc]:
+                root.poll()  # reap: no zombie `ray start`
+        _free_shared_memory(self._shm_before)
         if keep := os.environ.get("SUMMIT_KEEP_LOGS"):  # a failure's story: the cluster's logs, kept under that folder
             logs = self.temp_dir / "session_latest" / "logs"
             if logs.is_dir():
@@ -234,6 +297,30 @@ def _signal(proc: psutil.Process, sig: int) -> None:
         proc.send_signal(sig)
     except psutil.NoSuchProcess:
         pass
+
+
+def _shared_memory() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def _free_shared_memory(before: set[str]) -> None:
+    """Remove the /dev/shm segments that appeared since `before` and that no process maps or holds open any more
+    (vLLM's message queues and CPU TP/PP buffers outlive an engine killed with SIGKILL; another cluster's live ones
+    stay)."""
+    new = sorted(_shared_memory() - before)
+    if not new or shutil.which("fuser") is None:
+        return
+    for name in new:
+        path = os.path.join(SHM, name)
+        # `fuser -s` exits 0 while some process has the file open or mapped
+        if subprocess.run(["fuser", "-s", path], stderr=subprocess.DEVNULL).returncode != 0:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def _http_ok(url: str) -> bool:

@@ -29,25 +29,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _fresh(op: str, *args) -> None:
     """`op` of `_OPS` with `args` (JSON), in a new Python process; RuntimeError with its stderr if it fails."""
-    run = subprocess.run([sys.executable, "-m", "tests.netns_hosts", op, json.dumps(args)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.netns_hosts", op, json.dumps(args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if run.returncode != 0:
         raise RuntimeError(f"netns {op} failed: {run.stderr[-3000:]}")
 
 
 def netns_available() -> bool:
-    """Root, pyroute2, nsenter and unshare, and a namespace can really be made here."""
-    if os.geteuid() != 0 or not (shutil.which("nsenter") and shutil.which("unshare")):
-        return False
-    try:
-        import pyroute2  # noqa: F401
-    except ImportError:
-        return False
+    return netns_problem() is None
+
+
+def netns_problem() -> str | None:
+    """None when a second host can be made here (root, pyroute2, nsenter and unshare, and a namespace really made);
+    else what is missing, with the probe's error."""
+    if problem := hosts_problem():
+        return problem
     try:
         _fresh("probe", f"summit-probe-{os.getpid()}")
-        return True
-    except (RuntimeError, subprocess.TimeoutExpired):
-        return False
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return f"a network namespace could not be made here: {e}"
+    return None
 
 
 def _probe(name: str) -> None:
@@ -179,15 +185,19 @@ def _unlink_pair(nodes: list[Node]) -> None:
             netns.remove(node.netns)  # removes the veth end inside it, and so the pair
 
 
-def hosts_available(*tools: str) -> bool:
-    """Root, these programs, util-linux's namespace tools and pyroute2: what two linked hosts with daemons need."""
-    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in (*tools, "nsenter", "unshare")):
-        return False
+def hosts_problem(*tools: str) -> str | None:
+    """None when two linked hosts with daemons can be made here (root, these programs, util-linux's namespace tools
+    and pyroute2); else what is missing and how the test command (scripts/test_packages.sh, as root) provides it."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces): run the tests as root"
+    missing = [tool for tool in (*tools, "nsenter", "unshare") if not shutil.which(tool)]
     try:
         import pyroute2  # noqa: F401
     except ImportError:
-        return False
-    return True
+        missing.append("pyroute2 (Python)")
+    if missing:
+        return f"missing {', '.join(missing)}: scripts/test_packages.sh (run by scripts/test.sh) installs them as root"
+    return None
 
 
 # The official client against a host's endpoint, run on that host's network: the models it lists and 8 tokens.

@@ -26,9 +26,11 @@ from tests.local_cluster import loopback_env
 REPO = Path(__file__).resolve().parents[1]
 
 
-def call_each_replica(app_name: str, deployment: str, method: str, replicas: int, attempts: int = 200,
-                      args: tuple = ()) -> dict[str, Any]:
-    """{replica_id: result} once `replicas` distinct replicas answered `method` (RuntimeError after `attempts` calls)."""
+def call_each_replica(
+    app_name: str, deployment: str, method: str, replicas: int, attempts: int = 200, args: tuple = ()
+) -> dict[str, Any]:
+    """{replica_id: result} once `replicas` distinct replicas answered `method` (RuntimeError after `attempts`
+    calls)."""
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, app_name=app_name)
@@ -55,8 +57,14 @@ def kill_replica(app_name: str, deployment: str, replica_id: str) -> str:
 
 def probe(address: str, *args: str, timeout_s: float = 180) -> Any:
     """Run this module as a subprocess driver of the cluster at `address`; returns its JSON answer."""
-    out = subprocess.run([sys.executable, "-m", "tests.replica_probe", "--address", address, *args], cwd=REPO,
-                         env=loopback_env({"PYTHONPATH": str(REPO)}), capture_output=True, text=True, timeout=timeout_s)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.replica_probe", "--address", address, *args],
+        cwd=REPO,
+        env=loopback_env({"PYTHONPATH": str(REPO)}),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"replica_probe {' '.join(args)} failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -19,15 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.netns_hosts import Node, hosts_available, link_pair, unlink_pair
+from tests.netns_hosts import Node, link_pair, unlink_pair
 
 SUBNET = "10.252.0"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch")
-
-
-def slurm_available() -> bool:
-    """Root, Debian's SLURM and munge, util-linux's namespace tools and pyroute2."""
-    return hosts_available(*DAEMONS)
 
 
 @dataclass
@@ -39,8 +34,9 @@ class SlurmCluster:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.nodes = [Node(f"n{i}", f"{SUBNET}.{i}", f"summit-sl{i}-{self.tag}", f"sl{i}{self.tag}"[:15])
-                      for i in (1, 2)]
+        self.nodes = [
+            Node(f"n{i}", f"{SUBNET}.{i}", f"summit-sl{i}-{self.tag}", f"sl{i}{self.tag}"[:15]) for i in (1, 2)
+        ]
 
     @property
     def head(self) -> Node:
@@ -70,8 +66,10 @@ class SlurmCluster:
 
     def _write_conf(self) -> None:
         r = self.root
-        nodes = "\n".join(f"NodeName={n.name} NodeAddr={n.ip} CPUs={self.cpus_per_node} RealMemory={self.memory_mb} "
-                          "State=UNKNOWN" for n in self.nodes)
+        nodes = "\n".join(
+            f"NodeName={n.name} NodeAddr={n.ip} CPUs={self.cpus_per_node} RealMemory={self.memory_mb} State=UNKNOWN"
+            for n in self.nodes
+        )
         self.conf.write_text(f"""\
 ClusterName=summitci
 SlurmctldHost={socket.gethostname()}({self.head.ip})
@@ -113,12 +111,24 @@ PartitionName=ci Nodes={",".join(n.name for n in self.nodes)} Default=YES MaxTim
         self._write_conf()
         self._net_up()
         m, run = self.root / "munge", self.root / "run"
-        self._spawn(["munged", "-F", f"--key-file={key}", f"--socket={run}/munge.socket", f"--pid-file={m}/munged.pid",
-                     f"--log-file={m}/munged.log", f"--seed-file={m}/seed"], "munged.out")
+        self._spawn(
+            [
+                "munged",
+                "-F",
+                f"--key-file={key}",
+                f"--socket={run}/munge.socket",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/seed",
+            ],
+            "munged.out",
+        )
         self._wait(lambda: (run / "munge.socket").exists(), 10, "munged's socket")
         self._spawn([*self.head.prefix, "slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out")
         for node in self.nodes:
-            self._spawn([*node.prefix, "slurmd", "-D", "-f", str(self.conf), "-N", node.name], f"slurmd-{node.name}.out")
+            self._spawn(
+                [*node.prefix, "slurmd", "-D", "-f", str(self.conf), "-N", node.name], f"slurmd-{node.name}.out"
+            )
         self._wait(lambda: self.idle_nodes() == len(self.nodes), timeout_s, "both nodes idle in sinfo")
         return self
 
@@ -135,8 +145,9 @@ PartitionName=ci Nodes={",".join(n.name for n in self.nodes)} Default=YES MaxTim
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         """A SLURM client command (or any command) in the head node's network namespace."""
-        return subprocess.run([*self.head.net_prefix, *cmd], capture_output=True, text=True, env=self.env,
-                              check=check, timeout=timeout)
+        return subprocess.run(
+            [*self.head.net_prefix, *cmd], capture_output=True, text=True, env=self.env, check=check, timeout=timeout
+        )
 
     def idle_nodes(self) -> int:
         try:

@@ -5,7 +5,8 @@ tests/netns_hosts.py) running Debian's sshd with a config of its own (host key, 
 sessions run as root — the machine's Python lives under /root, out of another user's reach — with a home of their
 own: in each host's mount namespace the test's home directory is bind-mounted over /root (the Python installation
 under /root bind-mounted back into it), so that ssh's own `~` (the passwd home: Ray's autoscaler passes
-`-i ~/ray_bootstrap_key.pem`) and $HOME agree, and both hosts share that one home, as on a cluster. The hosts share one filesystem, and two Ray nodes must not share a temp dir (socket paths), so each sshd
+`-i ~/ray_bootstrap_key.pem`) and $HOME agree, and both hosts share that one home, as on a cluster.
+The hosts share one filesystem, and two Ray nodes must not share a temp dir (socket paths), so each sshd
 also gives its sessions their own `RAY_TMPDIR`, as separate machines would have separate /tmp. `ray up`, `ray down`
 and clients run in the head's network namespace with that home (`on_head`): the head is the login node here.
 Every process of the cluster carries the test's `RAY_TMPDIR` (`cluster_processes`); `stop()` stops the sshds by PID,
@@ -25,15 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.netns_hosts import Node, hosts_available, link_pair, unlink_pair
+from tests.netns_hosts import Node, link_pair, unlink_pair
 
 SUBNET = "10.253.0"
 TOOLS = ("/usr/sbin/sshd", "ssh", "ssh-keygen", "rsync")
-
-
-def ssh_available() -> bool:
-    """Root, Debian's openssh-server and rsync, util-linux's namespace tools and pyroute2."""
-    return hosts_available(*TOOLS)
 
 
 @dataclass
@@ -43,8 +39,10 @@ class SshCluster:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.nodes = [Node(name, f"{SUBNET}.{i}", f"summit-lc{i}-{self.tag}", f"lc{i}{self.tag}"[:15])
-                      for i, name in ((1, "head"), (2, "worker"))]
+        self.nodes = [
+            Node(name, f"{SUBNET}.{i}", f"summit-lc{i}-{self.tag}", f"lc{i}{self.tag}"[:15])
+            for i, name in ((1, "head"), (2, "worker"))
+        ]
         self.user = "root"
         self.home = self.root / "home"
         self.key = self.home / ".ssh" / "summit_cluster"
@@ -84,11 +82,18 @@ SetEnv RAY_TMPDIR={self.tmpdir(node)}
 """)
             log = open(self.root / f"sshd-{node.name}.log", "ab")
             # this host's /root is the cluster's home; what of the machine's Python lives under /root stays visible
-            binds = "".join(f"mount --bind {shlex.quote(kept)} {shlex.quote(str(self.home / rel))}; "
-                            for kept, rel in self._kept_under_root())
-            script = f"set -e; {binds}mount --rbind {shlex.quote(str(self.home))} /root; exec /usr/sbin/sshd -D -e -f {conf}"
-            self.procs.append(subprocess.Popen([*node.prefix, "sh", "-c", script],
-                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            binds = "".join(
+                f"mount --bind {shlex.quote(kept)} {shlex.quote(str(self.home / rel))}; "
+                for kept, rel in self._kept_under_root()
+            )
+            script = (
+                f"set -e; {binds}mount --rbind {shlex.quote(str(self.home))} /root; exec /usr/sbin/sshd -D -e -f {conf}"
+            )
+            self.procs.append(
+                subprocess.Popen(
+                    [*node.prefix, "sh", "-c", script], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
         deadline = time.monotonic() + timeout_s
         while not all(self._listening(n) for n in self.nodes):
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
@@ -107,14 +112,22 @@ SetEnv RAY_TMPDIR={self.tmpdir(node)}
         return [(str(top), parts[2])]
 
     def _listening(self, node: Node) -> bool:
-        probe = (f"import socket; socket.create_connection(('{node.ip}', 22), timeout=1).close()")
+        probe = f"import socket; socket.create_connection(('{node.ip}', 22), timeout=1).close()"
         return subprocess.run([*node.net_prefix, "python3", "-c", probe], capture_output=True).returncode == 0
 
-    def on_head(self, *cmd: str, env: dict[str, str] | None = None, timeout: float = 600,
-                log: Path | None = None) -> subprocess.CompletedProcess:
+    def on_head(
+        self, *cmd: str, env: dict[str, str] | None = None, timeout: float = 600, log: Path | None = None
+    ) -> subprocess.CompletedProcess:
         """A command on the head's network (the login node) with the cluster's home and a login-like environment."""
-        base = {"HOME": str(self.home), "USER": self.user, "LOGNAME": self.user, "SHELL": "/bin/bash",
-                "PATH": os.environ["PATH"], "LANG": "C.UTF-8", "RAY_TMPDIR": str(self.root / "tmp-launcher")}
+        base = {
+            "HOME": str(self.home),
+            "USER": self.user,
+            "LOGNAME": self.user,
+            "SHELL": "/bin/bash",
+            "PATH": os.environ["PATH"],
+            "LANG": "C.UTF-8",
+            "RAY_TMPDIR": str(self.root / "tmp-launcher"),
+        }
         Path(base["RAY_TMPDIR"]).mkdir(exist_ok=True)
         run = [*self.head.net_prefix, "env", "-i", *(f"{k}={v}" for k, v in {**base, **(env or {})}.items()), *cmd]
         if log is None:
@@ -152,4 +165,3 @@ SetEnv RAY_TMPDIR={self.tmpdir(node)}
                 pass
         unlink_pair(self.nodes)
         shutil.rmtree(self.root, ignore_errors=True)
-

@@ -1,1 +1,1 @@
-"""The Batch API: durable store, input/output lines, the runner core, the offline command."""
+"""The offline `summit batch` command (Serve handles, or Ray Data with --ray-data) over the runtime's batch core."""

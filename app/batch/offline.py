@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +18,9 @@ from typing import Any
 
 import yaml
 
-from app.batch.core import run_lines
-from app.batch.lines import Line, parse_lines
+from app.batch.progress import Progress
+from deployments.batch.core import run_lines
+from deployments.batch.lines import Line, parse_lines
 
 OFFLINE_APP = "summit-batch"
 
@@ -47,7 +47,7 @@ def app_args(config_path: str, app_name: str | None) -> tuple[dict, dict]:
     """The Summit app's `args` and `runtime_env` from a Serve YAML (its one app, or the one named)."""
     doc = yaml.safe_load(Path(config_path).read_text())
     apps = [a for a in doc.get("applications", []) if app_name in (None, a.get("name"))]
-    apps = [a for a in apps if a.get("import_path") == "app.builder:build_app"]
+    apps = [a for a in apps if a.get("import_path") == "app.build:build_app"]
     if len(apps) != 1:
         raise ValueError(f"{config_path}: name the Summit application with --app (found {len(apps)})")
     args = dict(apps[0].get("args") or {})
@@ -56,80 +56,47 @@ def app_args(config_path: str, app_name: str | None) -> tuple[dict, dict]:
     return args, apps[0].get("runtime_env") or {}
 
 
-class Progress:
-    """A progress line on stderr: lines done of all, output tokens/s, ETA."""
-
-    def __init__(self, total: int, done: int, enabled: bool = True):
-        self.total, self.done, self.tokens = total, done, 0
-        self.start = time.monotonic()
-        self._ran = 0
-        self._bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, initial=done, unit="line", dynamic_ncols=True, file=sys.stderr)
-
-    def update(self, tokens: int) -> None:
-        self.done += 1
-        self._ran += 1
-        self.tokens += tokens
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix_str(f"{self.tok_per_s:.0f} tok/s", refresh=False)
-
-    @property
-    def tok_per_s(self) -> float:
-        return self.tokens / max(1e-9, time.monotonic() - self.start)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-def run(in_path: str, out_path: str, config_path: str, err_path: str | None = None, address: str | None = None,
-        concurrency: int = 64, app_name: str | None = None, progress: bool = True, num_cpus: int | None = None,
-        ray_data: bool = False) -> dict[str, Any]:
+def run(
+    in_path: str,
+    out_path: str,
+    config_path: str,
+    err_path: str | None = None,
+    address: str | None = None,
+    concurrency: int = 64,
+    app_name: str | None = None,
+    progress: bool = True,
+    num_cpus: int | None = None,
+    ray_data: bool = False,
+) -> dict[str, Any]:
     """Run a batch file; a summary ({lines, skipped, ran, completed, failed, output_tokens, seconds, tok_per_s})."""
     import ray
     from ray import serve
 
-    from app.builder import build_app, engine_deployment_names
-    from app.config import SummitConfig
+    from app.build.engine_checks import load_config
 
     out, err = Path(out_path), Path(err_path or _errors_path(out_path))
     args, runtime_env = app_args(config_path, app_name)
-    config = SummitConfig.model_validate(args)
-    lines, errors = parse_lines(Path(in_path).read_bytes(), None, [m.name for m in config.models], 10**9)
-    if errors:
-        raise ValueError("; ".join(e.message for e in errors[:10]) + (f" (and {len(errors) - 10} more)"
-                                                                        if len(errors) > 10 else ""))
-    skip = finished_ids(out, err)
-    todo = [line for line in lines if line.custom_id not in skip]
-    summary: dict[str, Any] = {"lines": len(lines), "skipped": len(lines) - len(todo), "ran": 0, "completed": 0,
-                               "failed": 0, "output_tokens": 0}
+    config = load_config(args)
+    lines, skip, todo = _lines_to_run(Path(in_path), config, out, err)
+    summary: dict[str, Any] = {
+        "lines": len(lines),
+        "skipped": len(lines) - len(todo),
+        "ran": 0,
+        "completed": 0,
+        "failed": 0,
+        "output_tokens": 0,
+    }
     if not todo:
         return {**summary, "seconds": 0.0, "tok_per_s": 0.0}
-    env_vars = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(runtime_env.get("env_vars") or {})}
-    os.environ.setdefault("RAY_AUTH_MODE", env_vars["RAY_AUTH_MODE"])
-    own_ray = address is None
-    if own_ray:  # a private one-node Ray on loopback, with its own temp dir
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="summit-batch-ray-"),
-                 _node_ip_address="127.0.0.1", runtime_env={**runtime_env, "env_vars": env_vars},
-                 logging_level="ERROR", log_to_driver=False)
-    else:
-        ray.init(address=address, runtime_env={**runtime_env, "env_vars": env_vars}, logging_level="ERROR",
-                 log_to_driver=False)
+    own_ray = _start_ray(address, num_cpus, runtime_env)
     try:
         if ray_data:
             from app.batch.ray_data import run_ray_data
 
             counts = run_ray_data(todo, config, out, err, progress)
         else:
-            serve.start(proxy_location="Disabled")
-            serve.run(build_app(args), name=OFFLINE_APP, route_prefix=None)
-            handles = {name: serve.get_deployment_handle(dep, OFFLINE_APP)
-                       for name, dep in engine_deployment_names(config, "hops").items()}
-            counts = asyncio.run(_run_lines(todo, handles, out, err, concurrency, Progress(len(lines), len(skip), progress)))
+            bar = Progress(len(lines), len(skip), progress)
+            counts = _run_on_serve(args, config, todo, out, err, concurrency, bar)
         summary.update(counts)
         return summary
     finally:
@@ -139,13 +106,61 @@ def run(in_path: str, out_path: str, config_path: str, err_path: str | None = No
         ray.shutdown()
 
 
-async def _run_lines(todo: list[Line], handles: dict, out: Path, err: Path, concurrency: int,
-                     progress: Progress) -> dict[str, Any]:
-    from deployments.batch_runner import send_line
+def _lines_to_run(in_path: Path, config, out: Path, err: Path) -> tuple[list[Line], set[str], list[Line]]:
+    """(every line, the ids a former run finished, the lines left to run); a malformed file fails naming its lines."""
+    lines, errors = parse_lines(in_path.read_bytes(), None, [m.name for m in config.models], 10**9)
+    if errors:
+        raise ValueError(
+            "; ".join(e.message for e in errors[:10]) + (f" (and {len(errors) - 10} more)" if len(errors) > 10 else "")
+        )
+    skip = finished_ids(out, err)
+    return lines, skip, [line for line in lines if line.custom_id not in skip]
+
+
+def _start_ray(address: str | None, num_cpus: int | None, runtime_env: dict) -> bool:
+    """Join the cluster at `address`, or start a private one-node Ray on loopback (True) with its own temp dir."""
+    import ray
+
+    env_vars = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), **(runtime_env.get("env_vars") or {})}
+    os.environ.setdefault("RAY_AUTH_MODE", env_vars["RAY_AUTH_MODE"])
+    common = {"runtime_env": {**runtime_env, "env_vars": env_vars}, "logging_level": "ERROR", "log_to_driver": False}
+    if address is not None:
+        ray.init(address=address, **common)
+        return False
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="summit-batch-ray-"),
+        _node_ip_address="127.0.0.1",
+        **common,
+    )
+    return True
+
+
+def _run_on_serve(args: dict, config, todo: list[Line], out: Path, err: Path, concurrency: int, bar) -> dict:
+    """The YAML's app on Serve without HTTP (the same engines and vLLM validation as online), the lines through it."""
+    from ray import serve
+
+    from app.build.builder import build_app, engine_deployment_names
+
+    serve.start(proxy_location="Disabled")
+    serve.run(build_app(args), name=OFFLINE_APP, route_prefix=None)
+    handles = {
+        name: serve.get_deployment_handle(dep, OFFLINE_APP)
+        for name, dep in engine_deployment_names(config, "hops").items()
+    }
+    return asyncio.run(_run_lines(todo, handles, out, err, concurrency, bar))
+
+
+async def _run_lines(
+    todo: list[Line], handles: dict, out: Path, err: Path, concurrency: int, progress: Progress
+) -> dict[str, Any]:
+    from deployments.batch.runner import send_line
 
     counts = {"ran": 0, "completed": 0, "failed": 0, "output_tokens": 0}
     start = time.monotonic()
     with open(out, "ab") as out_f, open(err, "ab") as err_f:
+
         async def done(line: Line, ok: bool, result: dict, tokens: int) -> None:
             f = out_f if ok else err_f
             f.write(json.dumps(result).encode() + b"\n")

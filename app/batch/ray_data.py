@@ -15,8 +15,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from app.batch.lines import Line, grouped, result_line
+from app.batch.progress import Progress
 from app.config import ModelConfig, SummitConfig
+from deployments.batch.lines import Line, grouped, result_line
 
 # lines one engine actor takes at a time (all of them run concurrently in its engine)
 BATCH_SIZE = 64
@@ -28,35 +29,48 @@ class EngineWorker:
     """A Ray Data actor: one engine and vLLM's OpenAI app, answering a block of lines at once."""
 
     def __init__(self, model_json: str, source: str):
-        from deployments import vllm_adapter
+        from deployments import engine
 
         model = ModelConfig.model_validate_json(model_json)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True).start()
-        args = vllm_adapter.serve_namespace(source, model.name, model.engine_args(), model.frontend_kwargs)
-        self._engine_app = asyncio.run_coroutine_threadsafe(vllm_adapter.start_engine_app(args), self._loop).result()
+        args = engine.serve_namespace(source, model.name, engine.engine_args(model), model.frontend_kwargs)
+        self._engine_app = asyncio.run_coroutine_threadsafe(engine.start_engine_app(args), self._loop).result()
         self._worker = f"{os.uname().nodename}:{os.getpid()}"
 
     def __call__(self, rows: dict) -> dict:
-        lines = [Line(int(n), str(c), str(u), json.loads(b))
-                 for n, c, u, b in zip(rows["number"], rows["custom_id"], rows["url"], rows["body"])]
+        lines = [
+            Line(int(n), str(c), str(u), json.loads(b))
+            for n, c, u, b in zip(rows["number"], rows["custom_id"], rows["url"], rows["body"])
+        ]
         started = time.time()
         answers = asyncio.run_coroutine_threadsafe(self._all(lines), self._loop).result()
         n = len(answers)
-        return {"custom_id": [a[0] for a in answers], "ok": [a[1] for a in answers],
-                "result": [json.dumps(a[2]) for a in answers], "tokens": [a[3] for a in answers],
-                "worker": [self._worker] * n, "started": [started] * n, "ended": [time.time()] * n}
+        return {
+            "custom_id": [a[0] for a in answers],
+            "ok": [a[1] for a in answers],
+            "result": [json.dumps(a[2]) for a in answers],
+            "tokens": [a[3] for a in answers],
+            "worker": [self._worker] * n,
+            "started": [started] * n,
+            "ended": [time.time()] * n,
+        }
 
     async def _all(self, lines: list[Line]) -> list[tuple[str, bool, dict, int]]:
         return list(await asyncio.gather(*(self._one(line) for line in lines)))
 
     async def _one(self, line: Line) -> tuple[str, bool, dict, int]:
-        from deployments.asgi_bridge import stream_asgi
-        from deployments.protocol import HTTPRequest, ResponseStart
+        from deployments.http.asgi import stream_asgi
+        from deployments.http.protocol import HTTPRequest, ResponseStart
 
         request_id = f"batch-{uuid.uuid4().hex}"
-        request = HTTPRequest("POST", line.url, json.dumps(line.body).encode(), b"",
-                              [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())])
+        request = HTTPRequest(
+            "POST",
+            line.url,
+            json.dumps(line.body).encode(),
+            b"",
+            [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())],
+        )
         status, chunks = 500, []
         async for item in stream_asgi(self._engine_app.app, request):
             if isinstance(item, ResponseStart):
@@ -82,8 +96,7 @@ def actors_for(model: ModelConfig) -> int:
 def run_ray_data(todo: list[Line], config: SummitConfig, out: Path, err: Path, progress: bool) -> dict[str, Any]:
     import ray.data
 
-    from app.batch.offline import Progress
-    from app.deployment_options import replica_num_cpus
+    from app.build.options import replica_num_cpus
 
     # start every engine actor before work is handed out: an engine takes seconds to minutes to load, and the first
     # one ready would otherwise take every block of a short job
@@ -97,22 +110,33 @@ def run_ray_data(todo: list[Line], config: SummitConfig, out: Path, err: Path, p
             if not lines:
                 continue
             if model.tensor_parallel_size * model.pipeline_parallel_size > 1:
-                raise ValueError(f"models[{model.name}]: --ray-data runs one engine per GPU; tensor_parallel_size and "
-                                 "pipeline_parallel_size must be 1 there (run without --ray-data: Serve places TP x PP)")
-            rows = [{"number": x.number, "custom_id": x.custom_id, "url": x.url, "body": json.dumps(x.body)}
-                    for x in grouped(lines)]
+                raise ValueError(
+                    f"models[{model.name}]: --ray-data runs one engine per GPU; tensor_parallel_size "
+                    "and pipeline_parallel_size must be 1 there (run without --ray-data: Serve places "
+                    "TP x PP)"
+                )
+            rows = [
+                {"number": x.number, "custom_id": x.custom_id, "url": x.url, "body": json.dumps(x.body)}
+                for x in grouped(lines)
+            ]
             engine = model.model_copy(update={"disaggregation": None})
             actors = actors_for(model)
             # blocks small enough that every actor gets several (a block larger than the job would go to one)
             batch_size = max(1, min(BATCH_SIZE, -(-len(rows) // (4 * actors))))
             ds = ray.data.from_items(rows).map_batches(
-                EngineWorker, fn_constructor_kwargs={"model_json": engine.model_dump_json(), "source": model.resolved_source()}, batch_size=batch_size,
-                concurrency=actors, num_cpus=replica_num_cpus(model),
-                num_gpus=1 if model.accelerator == "gpu" else 0, batch_format="numpy")
+                EngineWorker,
+                batch_size=batch_size,
+                fn_constructor_kwargs={"model_json": engine.model_dump_json(), "source": model.resolved_source()},
+                concurrency=actors,
+                num_cpus=replica_num_cpus(model),
+                num_gpus=1 if model.accelerator == "gpu" else 0,
+                batch_format="numpy",
+            )
             for block in ds.iter_batches(batch_size=None, batch_format="numpy"):
                 first, last = min(first, float(block["started"].min())), max(last, float(block["ended"].max()))
-                for cid, ok, result, tokens, worker in zip(block["custom_id"], block["ok"], block["result"],
-                                                           block["tokens"], block["worker"]):
+                for cid, ok, result, tokens, worker in zip(
+                    block["custom_id"], block["ok"], block["result"], block["tokens"], block["worker"]
+                ):
                     (out_f if ok else err_f).write(str(result).encode() + b"\n")
                     counts["ran"] += 1
                     counts["completed" if ok else "failed"] += 1

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from app.clusters.tiny_model import make_tiny_model
 from tests.cpu.engine_apps import replica_ports, wait_for
 from tests.local_cluster import LocalCluster, load_serve_config
-from app.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
@@ -31,11 +31,13 @@ def summit(tiny_model_dir):
     cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir)}, haproxy=True)
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
     model = config["applications"][0]["args"]["models"][0]
-    # Faster failure detection for the dead-engine test and a longer context (above); everything else is the shipped YAML.
+    # Faster failure detection for the dead-engine test and a longer context (above); everything else is the
+    # shipped YAML.
     model["deployment"].update(health_check_period_s=2, health_check_timeout_s=10)
     model["engine_kwargs"]["max_model_len"] = MAX_MODEL_LEN
     # small batch limits, so that tests can reach them (its files go to the cluster's temp dir: SUMMIT_BATCH_DIR)
     config["applications"][0]["args"]["batch"].update(max_file_bytes=1 << 20, max_lines=1000)
+    _SESSION.append(cluster)
     try:
         cluster.start()
         cluster.serve_deploy(config)
@@ -46,6 +48,15 @@ def summit(tiny_model_dir):
         time.sleep(3)
         yield cluster
     finally:
+        cluster.stop()
+
+
+_SESSION: list[LocalCluster] = []
+
+
+def stop_session_app() -> None:
+    """Stop the session app's cluster once its last test has run (tests/conftest.py orders them first)."""
+    for cluster in _SESSION:
         cluster.stop()
 
 

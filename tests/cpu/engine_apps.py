@@ -1,4 +1,5 @@
-"""Helpers for CPU test modules that deploy their own Summit app (several tiny-model deployments) on a private cluster."""
+"""Helpers for CPU test modules that deploy their own Summit app (several tiny-model deployments) on a private
+cluster."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.tiny_model import _WORDS
+from app.clusters.tiny_model import _WORDS
 from tests.local_cluster import LocalCluster, load_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,25 +18,42 @@ APP = "summit"
 
 def tiny_model(name: str, engine_kwargs: dict | None = None, deployment: dict | None = None, **fields) -> dict:
     """The shipped tiny-model entry (serve_configs/tiny-cpu.yaml) renamed, with small engine settings merged in."""
-    base = copy.deepcopy(load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")["applications"][0]["args"]["models"][0])
+    base = copy.deepcopy(
+        load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")["applications"][0]["args"]["models"][0]
+    )
     base["name"] = name
     base["engine_kwargs"].update({"max_num_seqs": 8, "kv_cache_memory_bytes": 64 << 20, **(engine_kwargs or {})})
-    base["deployment"].update({"health_check_period_s": 2, "health_check_timeout_s": 10,
-                               "graceful_shutdown_timeout_s": 5, **(deployment or {})})
+    base["deployment"].update(
+        {
+            "health_check_period_s": 2,
+            "health_check_timeout_s": 10,
+            "graceful_shutdown_timeout_s": 5,
+            **(deployment or {}),
+        }
+    )
     base.update(fields)
     return base
 
 
 @contextmanager
-def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env: dict[str, str] | None = None,
-             haproxy: bool = False, batch: bool = False, args: dict | None = None, while_waiting=None,
-             ready_path: str = "/v1/models"):
+def deployed(
+    models: list[dict],
+    tiny_model_dir: Path,
+    num_cpus: float = 4,
+    env: dict[str, str] | None = None,
+    haproxy: bool = False,
+    batch: bool = False,
+    args: dict | None = None,
+    while_waiting=None,
+    ready_path: str = "/v1/models",
+):
     """A private loopback cluster with one app serving `models` (shipped YAML otherwise); stopped by PID after.
     `haproxy`: Serve's HAProxy in front, which puts the app on the direct path; `batch`: keep the YAML's Batch API;
     `args`: more of the app's args (e.g. `monitoring`); `while_waiting(cluster)`: called about once a second until
     the app is ready; `ready_path`: what answers 200 once it is (`/health` when API keys are on)."""
-    cluster = LocalCluster(num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})},
-                           haproxy=haproxy)
+    cluster = LocalCluster(
+        num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})}, haproxy=haproxy
+    )
     config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
     # vLLM's CPU platform lets this legacy variable (1 GiB in the shipped YAML) override kv_cache_memory_bytes.
     config["applications"][0]["runtime_env"]["env_vars"].pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -46,8 +64,9 @@ def deployed(models: list[dict], tiny_model_dir: Path, num_cpus: float = 4, env:
     cluster.serve_config = config  # for a test's redeploy with a change
     try:
         cluster.start()
-        cluster.serve_deploy(config, while_waiting=while_waiting and (lambda: while_waiting(cluster)),
-                             ready_path=ready_path)
+        cluster.serve_deploy(
+            config, while_waiting=while_waiting and (lambda: while_waiting(cluster)), ready_path=ready_path
+        )
         yield cluster
     finally:
         cluster.stop()
@@ -59,19 +78,33 @@ def deployment_details(cluster: LocalCluster, deployment: str) -> dict:
 
 
 def running_replicas(cluster: LocalCluster, deployment: str) -> list[str]:
-    return sorted(r["replica_id"] for r in deployment_details(cluster, deployment)["replicas"] if r["state"] == "RUNNING")
+    return sorted(
+        r["replica_id"] for r in deployment_details(cluster, deployment)["replicas"] if r["state"] == "RUNNING"
+    )
+
+
+def _haproxy_servers(cluster: LocalCluster) -> list[tuple[str, str, int]]:
+    """(name, host, port) of each engine replica server in HAProxy's config; the name holds the replica's id."""
+    import re
+
+    config = next((cluster.temp_dir / "h").rglob("haproxy.cfg")).read_text()
+    return [(n, h, int(p)) for n, h, p in re.findall(r"server (SERVE_REPLICA\S+) (\S+):(\d+) check", config)]
 
 
 def replica_ports(cluster: LocalCluster) -> list[tuple[str, int]]:
     """The engine replicas' own HTTP ports (direct path), as HAProxy's config names them."""
-    import re
+    return sorted({(h, p) for _, h, p in _haproxy_servers(cluster)})
 
-    config = next((cluster.temp_dir / "h").rglob("haproxy.cfg")).read_text()
-    return sorted({(h, int(p)) for h, p in re.findall(r"server SERVE_REPLICA\S+ (\S+):(\d+) check", config)})
+
+def haproxy_servers(cluster: LocalCluster) -> set[str]:
+    """The names of the replica servers in HAProxy's config (a new replica, a new name, even where it got the old
+    one's port)."""
+    return {n for n, _, _ in _haproxy_servers(cluster)}
 
 
 def serve_log_matches(cluster: LocalCluster, needle: str) -> list[str]:
-    """Every line of the cluster's Serve logs (proxy, controller, replicas) that holds `needle`, after its file's name."""
+    """Every line of the cluster's Serve logs (proxy, controller, replicas) that holds `needle`, after its file's
+    name."""
     lines = []
     for path in sorted((cluster.temp_dir / "session_latest/logs/serve").rglob("*.log")):
         lines += [f"{path.name}: {line}" for line in path.read_text(errors="replace").splitlines() if needle in line]

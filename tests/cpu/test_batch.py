@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from tests.cpu.conftest import MODEL
-from tests.cpu.engine_apps import APP, wait_for
+from tests.cpu.engine_apps import APP, haproxy_servers, wait_for
+from tests.engine_checks import model_engine_cores, paused
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -24,9 +25,21 @@ def client(summit) -> openai.OpenAI:
 
 
 def completion_lines(n: int, max_tokens: int = 8, prefix: str = "req", **body) -> list[dict]:
-    return [{"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": MODEL, "prompt": f"Topic {i % 7}: the summit ridge in winter, part {i}",
-                      "max_tokens": max_tokens, "temperature": 0, **body}} for i in range(n)]
+    return [
+        {
+            "custom_id": f"{prefix}-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": MODEL,
+                "prompt": f"Topic {i % 7}: the summit ridge in winter, part {i}",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                **body,
+            },
+        }
+        for i in range(n)
+    ]
 
 
 def upload(client: openai.OpenAI, lines: list, name: str = "in.jsonl"):
@@ -76,8 +89,9 @@ def test_batch_round_trip_with_logprobs_and_an_engine_error(client):
     lines[7]["body"]["max_tokens"] = -1  # vLLM answers 400: the line goes to the error file, the batch completes
     infile = upload(client, lines)
     assert infile.purpose == "batch" and infile.bytes > 0
-    batch = client.batches.create(input_file_id=infile.id, endpoint="/v1/completions", completion_window="24h",
-                                  metadata={"job": "round-trip"})
+    batch = client.batches.create(
+        input_file_id=infile.id, endpoint="/v1/completions", completion_window="24h", metadata={"job": "round-trip"}
+    )
     assert batch.status == "validating" and batch.metadata == {"job": "round-trip"}
     batch = wait_status(client, batch.id, {"completed", "failed"})
     assert batch.status == "completed", batch.errors
@@ -102,11 +116,18 @@ def test_batch_round_trip_with_logprobs_and_an_engine_error(client):
 
 
 def test_chat_batch(client):
-    lines = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 4}}
-             for i in range(4)]
-    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    lines = [
+        {
+            "custom_id": f"chat-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 4},
+        }
+        for i in range(4)
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     batch = wait_status(client, batch.id, {"completed", "failed"})
     out, err = assert_exactly_once(client, batch, lines)
     assert not err and all(x["response"]["body"]["object"] == "chat.completion" for x in out)
@@ -114,11 +135,17 @@ def test_chat_batch(client):
 
 def test_bad_input_named_by_line_and_field(client):
     good = completion_lines(2)
-    bad = [good[0], b"{not json", {**good[1], "custom_id": None}, good[0],
-           {**good[1], "custom_id": "u", "url": "/v1/embeddings"},
-           {**good[1], "custom_id": "m", "body": {**good[1]["body"], "model": "no-such-model"}}]
-    batch = client.batches.create(input_file_id=upload(client, bad).id, endpoint="/v1/completions",
-                                  completion_window="24h")
+    bad = [
+        good[0],
+        b"{not json",
+        {**good[1], "custom_id": None},
+        good[0],
+        {**good[1], "custom_id": "u", "url": "/v1/embeddings"},
+        {**good[1], "custom_id": "m", "body": {**good[1]["body"], "model": "no-such-model"}},
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, bad).id, endpoint="/v1/completions", completion_window="24h"
+    )
     batch = wait_status(client, batch.id, {"failed", "completed"}, 60)
     assert batch.status == "failed"
     found = {(e.line, e.param) for e in batch.errors.data}
@@ -147,8 +174,9 @@ def test_cancel_keeps_finished_lines(client):
     # long enough that a cancel sent at 5 % lands well before the end on a loaded box (300 lines of 24 tokens once
     # all finished before the runner saw the cancel)
     lines = completion_lines(1000, max_tokens=32, prefix="cancel")
-    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
+    )
     wait_progress(client, batch.id, 0.05, len(lines))
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     batch = wait_status(client, batch.id, {"cancelled"}, 120)
@@ -157,12 +185,16 @@ def test_cancel_keeps_finished_lines(client):
     assert all(x["error"]["code"] == "batch_cancelled" for x in err) and err
 
 
-def test_expiry_returns_what_finished(client):
-    # far more than 6 s of work (CI: 400 lines of 24 tokens all finished inside the window once the runner's store
-    # calls ran on its event loop rather than in Serve's thread pool)
-    lines = completion_lines(1000, max_tokens=64, prefix="expire", ignore_eos=True)
-    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
-                                  completion_window="6s")
+def test_expiry_returns_what_finished(client, summit):
+    """Once a line has finished, the engine is paused (SIGSTOP) past the batch's window: the batch expires with the
+    finished lines in its output and every other line in its errors as batch_expired."""
+    lines = completion_lines(400, max_tokens=64, prefix="expire", ignore_eos=True)
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="30s"
+    )
+    wait_progress(client, batch.id, 1 / len(lines), len(lines), timeout_s=30)
+    with paused(model_engine_cores(summit, MODEL)):
+        time.sleep(max(0, batch.created_at + 31 - time.time()))  # past the window with the engine paused
     batch = wait_status(client, batch.id, {"expired", "completed"}, 120)
     assert batch.status == "expired" and batch.expired_at
     out, err = assert_exactly_once(client, batch, lines)
@@ -182,8 +214,9 @@ def test_runner_killed_mid_batch_finishes_exactly_once(client, ray_driver):
     assert _runner_state()["pid"], "the runner should answer"  # the driver's handle made before the clock runs
     # long enough lines that the kill lands mid-batch (240 x 16 tokens took 3 s on a fast run)
     lines = completion_lines(240, max_tokens=128, prefix="kill", ignore_eos=True)
-    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
+    )
     before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
     state = _runner_state()
     assert state["batch"] == batch.id, (state, before)
@@ -200,13 +233,18 @@ def test_application_restarted_mid_batch_finishes_exactly_once(client, summit):
     import yaml
 
     lines = completion_lines(240, max_tokens=128, prefix="restart", ignore_eos=True)
-    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
+    )
     before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
     config = yaml.safe_load((summit.temp_dir / "serve-config.yaml").read_text())
+    servers = haproxy_servers(summit)
     summit.serve_shutdown()
     assert before.completed + before.failed < 0.8 * len(lines), "the fault came too late to mean anything"
     summit.serve_deploy(config)
+    # HAProxy names the new replica (and has reloaded) before the client asks through it again
+    assert wait_for(lambda: haproxy_servers(summit) - servers, 120, 0.5), (servers, haproxy_servers(summit))
+    time.sleep(3)
     batch = wait_status(client, batch.id, {"completed"}, 600)
     out, err = assert_exactly_once(client, batch, lines)
     assert not err and batch.request_counts.completed > before.completed

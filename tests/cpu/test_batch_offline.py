@@ -18,20 +18,52 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def lines(n: int) -> list[dict]:
-    return [{"custom_id": f"o-{i}", "method": "POST",
-             "url": "/v1/chat/completions" if i % 5 == 0 else "/v1/completions",
-             "body": {"model": MODEL, **({"messages": [{"role": "user", "content": f"line {i}"}]} if i % 5 == 0
-                                         else {"prompt": f"Offline line {i}: ridge"}), "max_tokens": 6, "temperature": 0}}
-            for i in range(n)]
+    return [
+        {
+            "custom_id": f"o-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions" if i % 5 == 0 else "/v1/completions",
+            "body": {
+                "model": MODEL,
+                **(
+                    {"messages": [{"role": "user", "content": f"line {i}"}]}
+                    if i % 5 == 0
+                    else {"prompt": f"Offline line {i}: ridge"}
+                ),
+                "max_tokens": 6,
+                "temperature": 0,
+            },
+        }
+        for i in range(n)
+    ]
 
 
 def summit_batch(infile, out, config, *flags) -> dict:
     """The command as a user runs it (its own private Ray); its summary line."""
     path, env = config
-    cmd = [sys.executable, "-m", "app.cli", "batch", str(infile), "-o", str(out), "--config", str(path),
-           "--num-cpus", "4", "--no-progress", *flags]
-    run = subprocess.run(cmd, cwd=REPO, env=loopback_env({"RAY_AUTH_MODE": "disabled", **env}),
-                         capture_output=True, text=True, timeout=800)
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "batch",
+        str(infile),
+        "-o",
+        str(out),
+        "--config",
+        str(path),
+        "--num-cpus",
+        "4",
+        "--no-progress",
+        *flags,
+    ]
+    run = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=loopback_env({"RAY_AUTH_MODE": "disabled", **env}),
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -71,7 +103,10 @@ def test_offline_resumes_a_cut_run_exactly_once(tmp_path, config):
     assert sorted(x["custom_id"] for x in redone + read(err)) == sorted(x["custom_id"] for x in data)
     for x in redone:  # temperature 0: the same answers as the first run
         body, before = x["response"]["body"], answers[x["custom_id"]]["response"]["body"]
-        text = (lambda b: b["choices"][0].get("text") or b["choices"][0]["message"]["content"])
+
+        def text(b):
+            return b["choices"][0].get("text") or b["choices"][0]["message"]["content"]
+
         assert text(body) == text(before)
     # nothing left: a third run starts nothing
     assert summit_batch(infile, out, config)["ran"] == 0

@@ -31,8 +31,9 @@ MAX_LEN = 8192
 
 @pytest.fixture(scope="module")
 def two_models(tiny_model_dir):
-    with deployed([tiny_model(name, engine_kwargs={"max_model_len": MAX_LEN}) for name in MODELS], tiny_model_dir,
-                  haproxy=True) as cluster:
+    with deployed(
+        [tiny_model(name, engine_kwargs={"max_model_len": MAX_LEN}) for name in MODELS], tiny_model_dir, haproxy=True
+    ) as cluster:
         yield cluster
 
 
@@ -64,12 +65,14 @@ def test_one_base_url_serves_both_models_from_their_own_replicas(two_models):
     client = openai.OpenAI(base_url=two_models.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
     assert sorted(m.id for m in client.models.list().data) == MODELS
     for name in MODELS * 3:
-        raw = client.completions.with_raw_response.create(model=name, prompt="hello", max_tokens=4,
-                                                          extra_headers={"x-request-id": f"req-{name}"})
+        raw = client.completions.with_raw_response.create(
+            model=name, prompt="hello", max_tokens=4, extra_headers={"x-request-id": f"req-{name}"}
+        )
         assert raw.parse().model == name and raw.headers["x-request-id"] == f"req-{name}"
         assert owner[raw.headers["x-summit-replica"]] == name
         with client.chat.completions.with_streaming_response.create(
-                model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True) as stream:
+            model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        ) as stream:
             chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
             assert owner[stream.headers["x-summit-replica"]] == name
         assert chunks and {c["model"] for c in chunks} == {name}
@@ -83,17 +86,25 @@ def test_a_body_cut_at_the_routing_buffer_is_answered_by_its_model(two_models):
     long_text = "hello " * 50_000  # 300 KB of JSON, ~50k tokens: vLLM answers its own 400 (context MAX_LEN)
     for name in MODELS:
         body = json.dumps({"messages": [{"role": "user", "content": long_text}], "max_tokens": 1, "model": name})
-        r = httpx.post(two_models.base_url + "/v1/chat/completions", content=body,
-                       headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            two_models.base_url + "/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
         assert r.status_code == 400 and str(MAX_LEN) in r.json()["error"]["message"], r.text[:300]
         assert owner[r.headers["x-summit-replica"]] == name  # vLLM's answer, from an engine of the right model
-        short = httpx.post(two_models.base_url + "/v1/completions", json={"prompt": "x " * 500, "max_tokens": 1,
-                                                                          "model": name}, timeout=60)
+        short = httpx.post(
+            two_models.base_url + "/v1/completions",
+            json={"prompt": "x " * 500, "max_tokens": 1, "model": name},
+            timeout=60,
+        )
         assert short.status_code == 200 and owner[short.headers["x-summit-replica"]] == name
 
 
 def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
     """Read from the engines' own counters, not the client: how many tokens they made for a stream left after 3."""
+
     def engines(method: str) -> dict:
         return probe(two_models.address, "each", APP, POOL, method, "--replicas", "2")
 
@@ -102,8 +113,12 @@ def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
 
     assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 60)
     before = generated()
-    with httpx.stream("POST", two_models.base_url + "/v1/completions", timeout=60,
-                      json={"model": "tiny-b", "prompt": "a", "max_tokens": MAX_LEN - 100, "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        two_models.base_url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny-b", "prompt": "a", "max_tokens": MAX_LEN - 100, "ignore_eos": True, "stream": True},
+    ) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept referenced: a dropped iterator closes the response (the client leaves early)
         for _ in range(3):
@@ -122,24 +137,35 @@ def test_models_of_different_shapes_fall_back_to_two_hops(tiny_model_dir):
         # the Batch API through the ingress: a multipart upload keeps its content type; lines go to each model's own
         # deployment
         client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        lines = [{"custom_id": f"h{i}", "url": "/v1/completions",
-                  "body": {"model": ["tiny-a", "tiny-c"][i % 2], "prompt": f"x {i}", "max_tokens": 2}} for i in range(6)]
-        infile = client.files.create(file=("h.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
-                                     purpose="batch")
+        lines = [
+            {
+                "custom_id": f"h{i}",
+                "url": "/v1/completions",
+                "body": {"model": ["tiny-a", "tiny-c"][i % 2], "prompt": f"x {i}", "max_tokens": 2},
+            }
+            for i in range(6)
+        ]
+        infile = client.files.create(
+            file=("h.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())), purpose="batch"
+        )
         batch = client.batches.create(input_file_id=infile.id, endpoint="/v1/completions", completion_window="1h")
         assert wait_for(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 120)
         batch = client.batches.retrieve(batch.id)
         out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
-        assert batch.status == "completed" and sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
-        assert {x["custom_id"]: x["response"]["body"]["model"] for x in out} == {x["custom_id"]: x["body"]["model"]
-                                                                               for x in lines}
+        assert batch.status == "completed" and sorted(x["custom_id"] for x in out) == sorted(
+            x["custom_id"] for x in lines
+        )
+        assert {x["custom_id"]: x["response"]["body"]["model"] for x in out} == {
+            x["custom_id"]: x["body"]["model"] for x in lines
+        }
         for name in ["tiny-a", "tiny-c"]:
-            r = httpx.post(cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2},
-                           timeout=60)
+            r = httpx.post(
+                cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}, timeout=60
+            )
             assert r.status_code == 200 and r.json()["model"] == name
         # a dead engine on this path too: clean 503s from the replica's front through the ingress, then a new replica
         before = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
-        (replica_id, stats), = before.items()
+        ((replica_id, stats),) = before.items()
         kill_engine_and_wait_for_answers(cluster.base_url, "tiny-c", stats["pid"])
         after = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
         assert replica_id not in after

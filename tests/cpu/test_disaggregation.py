@@ -4,13 +4,12 @@ One app, three engines: `tiny-agg` (aggregated) and `tiny-pd` (disaggregated: `L
 the prompt and stores its KV; the decode side, in the app's engine deployment beside tiny-agg, loads it). Both
 models are the same tiny model, so at temperature 0 their answers must match token for token. What the decode
 engine took from the connector is read from its own counters (vLLM's external prefix-cache hits and prompt tokens
-by source), as Ray's metrics endpoint exports them for its replica. Prompts are longer than one CPU KV block (128 tokens): shorter
-ones transfer nothing.
+by source), as Ray's metrics endpoint exports them for its replica. Prompts are longer than one CPU KV block (128
+tokens): shorter ones transfer nothing.
 """
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 
 from tests.cpu import engine_apps
 from tests.cpu.engine_apps import APP, deployed, tiny_model, wait_for
-from tests.engine_checks import engine_core_processes
+from tests.engine_checks import engine_core_processes, paused
 from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
 
@@ -35,16 +34,25 @@ def kv_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pd_app(tiny_model_dir, kv_dir):
-    models = [tiny_model(AGG, {"max_model_len": 2048}),
-              tiny_model(PD, {"max_model_len": 2048}, disaggregation={
-                  "connector": "shared_storage", "connector_config": {"shared_storage_path": str(kv_dir)}})]
+    models = [
+        tiny_model(AGG, {"max_model_len": 2048}),
+        tiny_model(
+            PD,
+            {"max_model_len": 2048},
+            disaggregation={"connector": "shared_storage", "connector_config": {"shared_storage_path": str(kv_dir)}},
+        ),
+    ]
     with deployed(models, tiny_model_dir, haproxy=True) as cluster:
         # In two full CI runs (never alone) the aggregated model's first completions right after the deploy answered
         # 404 for a while; wait until both models answer one before the tests start (FACTS.md: the 404 is open).
         def both_answer() -> bool:
-            return all(httpx.post(cluster.base_url + "/v1/completions", timeout=60,
-                                  json={"model": m, "prompt": "Hi", "max_tokens": 1}).status_code == 200
-                       for m in (AGG, PD))
+            return all(
+                httpx.post(
+                    cluster.base_url + "/v1/completions", timeout=60, json={"model": m, "prompt": "Hi", "max_tokens": 1}
+                ).status_code
+                == 200
+                for m in (AGG, PD)
+            )
 
         assert wait_for(both_answer, 300, 2), "the models did not both answer within 300 s of the deploy"
         yield cluster
@@ -61,8 +69,10 @@ def document(i: int) -> str:
 
 
 def complete(http: httpx.Client, model: str, prompt: str, **extra) -> httpx.Response:
-    return http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
-                                              "temperature": 0, **extra})
+    return http.post(
+        "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 16, "ignore_eos": True, "temperature": 0, **extra},
+    )
 
 
 _SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -76,11 +86,15 @@ def decode_counters(cluster) -> dict:
 
     def read() -> dict:
         s = scrape(cluster)
-        return {"external_queries": total(s, "ray_vllm_external_prefix_cache_queries_total", ReplicaId=replica),
-                "external_hits": total(s, "ray_vllm_external_prefix_cache_hits_total", ReplicaId=replica),
-                "generation_tokens": total(s, "ray_vllm_generation_tokens_total", ReplicaId=replica),
-                **{f"prompt_{source}": total(s, "ray_vllm_prompt_tokens_by_source_total", ReplicaId=replica,
-                                             source=source) for source in _SOURCES}}
+        return {
+            "external_queries": total(s, "ray_vllm_external_prefix_cache_queries_total", ReplicaId=replica),
+            "external_hits": total(s, "ray_vllm_external_prefix_cache_hits_total", ReplicaId=replica),
+            "generation_tokens": total(s, "ray_vllm_generation_tokens_total", ReplicaId=replica),
+            **{
+                f"prompt_{source}": total(s, "ray_vllm_prompt_tokens_by_source_total", ReplicaId=replica, source=source)
+                for source in _SOURCES
+            },
+        }
 
     return settled(read)
 
@@ -98,7 +112,12 @@ def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_d
     assert n > 2 * KV_BLOCK
     before = decode_counters(pd_app)
     agg, pd = complete(http, AGG, prompt), complete(http, PD, prompt)
-    assert agg.status_code == 200 and pd.status_code == 200, (agg.status_code, agg.text[:300], pd.status_code, pd.text[:300])
+    assert agg.status_code == 200 and pd.status_code == 200, (
+        agg.status_code,
+        agg.text[:300],
+        pd.status_code,
+        pd.text[:300],
+    )
     assert pd.json()["choices"][0]["text"] == agg.json()["choices"][0]["text"]
     assert pd.json()["usage"]["prompt_tokens"] == n and pd.json()["usage"]["completion_tokens"] == 16
     after = decode_counters(pd_app)
@@ -112,28 +131,43 @@ def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_d
 
 def test_streams_chat_n_and_stop_behave_as_aggregated(http):
     prompt = document(2)
-    bodies = {m: {"model": m, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stream": True}
-              for m in (AGG, PD)}
+    bodies = {
+        m: {"model": m, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stream": True}
+        for m in (AGG, PD)
+    }
     texts = {}
     for model, body in bodies.items():
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
-        texts[model] = "".join(httpx.Response(200, content=line[6:]).json()["choices"][0]["text"] for line in lines[:-1])
+        texts[model] = "".join(
+            httpx.Response(200, content=line[6:]).json()["choices"][0]["text"] for line in lines[:-1]
+        )
     assert texts[PD] == texts[AGG]
 
     messages = [{"role": "user", "content": prompt}]
-    chats = {m: http.post("/v1/chat/completions", json={"model": m, "messages": messages, "max_tokens": 8,
-                                                         "temperature": 0}).json() for m in (AGG, PD)}
+    chats = {
+        m: http.post(
+            "/v1/chat/completions", json={"model": m, "messages": messages, "max_tokens": 8, "temperature": 0}
+        ).json()
+        for m in (AGG, PD)
+    }
     assert chats[PD]["choices"][0]["message"]["content"] == chats[AGG]["choices"][0]["message"]["content"]
 
-    r = complete(http, PD, prompt, n=2, seed=3, temperature=0.8)
-    assert r.status_code == 200 and len(r.json()["choices"]) == 2
-    stop_word = texts[AGG].split()[2] if len(texts[AGG].split()) > 2 else None
-    if stop_word:
-        r = complete(http, PD, prompt, stop=[stop_word])
-        assert r.status_code == 200 and stop_word not in r.json()["choices"][0]["text"]
+    r = complete(http, PD, prompt, n=2, temperature=1.0)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1] and r.json()["usage"]["completion_tokens"] == 32
+    assert choices[0]["text"] != choices[1]["text"]  # two draws from the random model's near-flat distribution
+
+    # a stop string from the middle of the aggregated output (two characters not seen before it) ends PD's output
+    # where it ends the aggregated one
+    text = texts[AGG]
+    at = next(i for i in range(4, len(text) - 2) if text[i : i + 2].strip() and text[i : i + 2] not in text[:i])
+    r = complete(http, PD, prompt, max_tokens=12, stop=[text[at : at + 2]])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text[:at] and r.json()["choices"][0]["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize("extra, named", [({"echo": True}, "echo"), ({"prompt_logprobs": 1}, "prompt_logprobs")])
@@ -179,8 +213,11 @@ def prefill_stats(cluster) -> dict:
 def test_the_prefill_engine_holds_no_kv_once_its_requests_are_decoded(pd_app, http):
     with ThreadPoolExecutor(4) as pool:
         assert all(r.status_code == 200 for r in pool.map(lambda i: complete(http, PD, document(50 + i)), range(4)))
-    assert wait_for(lambda: (s := prefill_stats(pd_app))["num_unfinished_requests"] == 0 and s["kv_cache_usage"] == 0,
-                    30, interval_s=2), prefill_stats(pd_app)
+    assert wait_for(
+        lambda: (s := prefill_stats(pd_app))["num_unfinished_requests"] == 0 and s["kv_cache_usage"] == 0,
+        30,
+        interval_s=2,
+    ), prefill_stats(pd_app)
 
 
 def test_a_client_leaving_during_its_prefill_cancels_it_there(pd_app, http):
@@ -194,8 +231,10 @@ def test_a_client_leaving_during_its_prefill_cancels_it_there(pd_app, http):
     logs = pd_app.temp_dir / "session_latest" / "logs" / "serve"
 
     def cancelled_in_prefill() -> bool:  # Serve's own line for the prefill replica's call, which the front cancelled
-        return any(f"{request_id} -- CALL handle_http CANCELLED" in f.read_text(errors="replace")
-                   for f in logs.glob("replica_*prefill*.log"))
+        return any(
+            f"{request_id} -- CALL handle_http CANCELLED" in f.read_text(errors="replace")
+            for f in logs.glob("replica_*prefill*.log")
+        )
 
     before = decode_counters(pd_app)["generation_tokens"]
     cores = engine_core_processes(prefill_stats(pd_app)["pid"])
@@ -205,14 +244,21 @@ def test_a_client_leaving_during_its_prefill_cancels_it_there(pd_app, http):
     try:
         # the front answers nothing before the prefill is done: the client gives up waiting and closes the connection
         with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", headers={"x-request-id": request_id}, timeout=httpx.Timeout(60, read=1.0),
-                      json={"model": PD, "prompt": document(70), "max_tokens": 16, "stream": True})
+            http.post(
+                "/v1/completions",
+                headers={"x-request-id": request_id},
+                timeout=httpx.Timeout(60, read=1.0),
+                json={"model": PD, "prompt": document(70), "max_tokens": 16, "stream": True},
+            )
         assert wait_for(cancelled_in_prefill, 30), "the prefill replica's call was not cancelled"
     finally:
         for proc in cores:
             proc.resume()
-    assert wait_for(lambda: (s := prefill_stats(pd_app))["num_unfinished_requests"] == 0 and s["kv_cache_usage"] == 0,
-                    60, interval_s=2), prefill_stats(pd_app)
+    assert wait_for(
+        lambda: (s := prefill_stats(pd_app))["num_unfinished_requests"] == 0 and s["kv_cache_usage"] == 0,
+        60,
+        interval_s=2,
+    ), prefill_stats(pd_app)
     assert decode_counters(pd_app)["generation_tokens"] == before  # the request never reached the decode engine
     assert complete(http, PD, document(71)).status_code == 200  # and the model serves on
 
@@ -224,11 +270,12 @@ def test_a_prefill_engine_killed_with_requests_in_flight_falls_back_to_the_decod
     n = 6
     expected = {i: complete(http, AGG, document(30 + i)).json()["choices"][0]["text"] for i in range(n)}
     before = decode_counters(pd_app)
-    with ThreadPoolExecutor(n) as pool:  # the engine dies while these are in their prefill or queued for it
+    with ThreadPoolExecutor(n) as pool, paused(cores):  # the requests wait in the prefill engine until it dies
         answers = [pool.submit(complete, http, PD, document(30 + i)) for i in range(n)]
-        time.sleep(0.2)
+        held = wait_for(lambda: prefill_stats(pd_app)["num_unfinished_requests"] == n, 60, interval_s=1)
+        assert held, f"the prefill engine never held the {n} requests: {prefill_stats(pd_app)}"
         for proc in cores:
-            proc.kill()
+            proc.kill()  # SIGKILL ends a stopped process
         answers = [a.result(timeout=120) for a in answers]  # never a hang
     for i, r in enumerate(answers):
         assert r.status_code == 200, r.text
@@ -238,10 +285,12 @@ def test_a_prefill_engine_killed_with_requests_in_flight_falls_back_to_the_decod
         assert r.status_code == 200, r.text
     after = decode_counters(pd_app)
     assert after["prompt_local_compute"] - before["prompt_local_compute"] > 2 * KV_BLOCK
+
     # Serve replaces the prefill replica; the model is disaggregated again
     def replaced() -> bool:
         answers = probe(pd_app.address, "each", APP, PREFILL, "stats", "--replicas", "1")
         return stats["replica_id"] not in answers
+
     assert wait_for(replaced, 300, interval_s=5)
     prompt = document(60)
     before = decode_counters(pd_app)

@@ -1,6 +1,7 @@
 """Engine features switched on in the YAML, on real engines, through the official `openai` client: LoRA adapters
 (each an OpenAI model, loaded on first use, routed to a replica that has it loaded), structured output, tool calls
-(Llama 3.1's JSON format: the shipped chat template and vLLM's llama3_json parser), quantization, and the model families `summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts).
+(Llama 3.1's JSON format: the shipped chat template and vLLM's llama3_json parser), quantization, and the model families
+`summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts).
 
 One app for all of them, to keep CI's cost to one deploy: on the direct path, 2 replicas of the tiny Llama with two
 tiny adapters and one replica of each other family. API keys are on, as adapters loaded at run time (vLLM's
@@ -10,14 +11,14 @@ tiny adapters and one replica of each other family. API keys are on, as adapters
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from app.lora import make_tiny_lora
-from app.tiny_model import make_tiny_model
+from app.clusters.tiny_model import make_tiny_lora, make_tiny_model
 from tests.cpu.engine_apps import deployed, running_replicas, tiny_model, wait_for
 
 MODEL = "tiny-feat"
@@ -26,30 +27,55 @@ ARCHS = ("mistral", "qwen2", "mixtral")
 QUANTIZED = "tiny-fp8"
 API_KEY = "sk-summit-features"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
-POOL = "LLMServer:" + "+".join([MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED])  # the direct path's one deployment
+POOL = "LLMServer:" + "+".join(
+    [MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED]
+)  # the direct path's one deployment
 
 
 @pytest.fixture(scope="module")
 def features_app(tiny_model_dir, tmp_path_factory):
     adapters = tmp_path_factory.mktemp("adapters")
-    lora = {"adapters": [{"name": name, "path": str(make_tiny_lora(tiny_model_dir, adapters / name, seed=seed))}
-                         for seed, name in enumerate(ADAPTERS, start=1)], "max_loras": 2,
-            "runtime_loading": True}
+    lora = {
+        "adapters": [
+            {"name": name, "path": str(make_tiny_lora(tiny_model_dir, adapters / name, seed=seed))}
+            for seed, name in enumerate(ADAPTERS, start=1)
+        ],
+        "max_loras": 2,
+        "runtime_loading": True,
+    }
     # JSON without free whitespace: a random model would otherwise write spaces until max_tokens
-    engine = {"max_model_len": 2048, "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
-    tools = {"enable_auto_tool_choice": True, "tool_call_parser": "llama3_json",
-             "chat_template": "serve_configs/templates/llama3.1-json-tools.jinja"}  # found in Summit's directory
+    engine = {
+        "max_model_len": 2048,
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+    }
+    tools = {
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": "llama3_json",
+        "chat_template": "serve_configs/templates/llama3.1-json-tools.jinja",
+    }  # found in Summit's directory
     model = tiny_model(MODEL, engine, {"num_replicas": 2}, lora=lora, frontend_kwargs=tools)
-    families = [tiny_model(f"tiny-{arch}", {"max_model_len": 2048}, {"num_replicas": 1},
-                           source=str(make_tiny_model(tmp_path_factory.mktemp(arch), max_len=2048, arch=arch)))
-                for arch in ARCHS]
+    families = [
+        tiny_model(
+            f"tiny-{arch}",
+            {"max_model_len": 2048},
+            {"num_replicas": 1},
+            source=str(make_tiny_model(tmp_path_factory.mktemp(arch), max_len=2048, arch=arch)),
+        )
+        for arch in ARCHS
+    ]
     # the tiny Llama's own checkpoint, quantized by vLLM as it loads (the one method that does so on CPU engines)
     quantized = tiny_model(QUANTIZED, {"max_model_len": 2048, "quantization": "fp8_per_channel"}, {"num_replicas": 1})
     # Tool calls through vLLM's JSON-schema path (honours disable_any_whitespace). vLLM 0.32's default, xgrammar's
     # Llama structural tag, lets whitespace between keys, and a random model writes newlines until max_tokens.
     env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": API_KEY}
-    with deployed([model, *families, quantized], tiny_model_dir, haproxy=True, env=env,
-                  args={"auth": {"api_keys_env": "SUMMIT_API_KEYS"}}, ready_path="/health") as cluster:
+    with deployed(
+        [model, *families, quantized],
+        tiny_model_dir,
+        haproxy=True,
+        env=env,
+        args={"auth": {"api_keys_env": "SUMMIT_API_KEYS"}},
+        ready_path="/health",
+    ) as cluster:
         assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 3 + len(ARCHS), 300, 1)
         yield cluster
 
@@ -75,8 +101,9 @@ def test_each_adapter_changes_the_models_output(client):
     texts = {name: complete(client, name)[0] for name in (MODEL, *ADAPTERS)}
     assert len(set(texts.values())) == 3, texts  # at temperature 0: each adapter's weights at work
     assert complete(client, "tiny-sql")[0] == texts["tiny-sql"]  # and the same again
-    chat = client.chat.completions.create(model="tiny-poet", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny-poet", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
     assert chat.model == "tiny-poet" and chat.choices[0].message.content
 
 
@@ -93,18 +120,28 @@ def test_an_unknown_adapter_is_a_404(client):
     assert "tiny-nonesuch" in e.value.message and "tiny-sql" in e.value.message
 
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["peak", "height_m", "tags"],
-          "properties": {"peak": {"type": "string", "enum": ["Eiger", "Matterhorn", "Denali"]},
-                         "height_m": {"type": "integer", "minimum": 1000, "maximum": 9000},
-                         "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["peak", "height_m", "tags"],
+    "properties": {
+        "peak": {"type": "string", "enum": ["Eiger", "Matterhorn", "Denali"]},
+        "height_m": {"type": "integer", "minimum": 1000, "maximum": 9000},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+}
 
 
 @pytest.mark.parametrize("model", [MODEL, "tiny-sql"])
 def test_json_schema_output_matches_the_schema(client, model):
     """The random model writes valid, schema-true JSON only because vLLM's structured output masks its tokens."""
     answer = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Name a peak."}], max_tokens=200, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "peak", "schema": SCHEMA, "strict": True}})
+        model=model,
+        messages=[{"role": "user", "content": "Name a peak."}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "peak", "schema": SCHEMA, "strict": True}},
+    )
     choice = answer.choices[0]
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     assert choice.finish_reason == "stop", choice
@@ -112,8 +149,17 @@ def test_json_schema_output_matches_the_schema(client, model):
 
 def test_without_a_schema_the_random_model_writes_no_json(features_app):
     """The control for the test above: the same request without response_format is not that JSON."""
-    r = httpx.post(features_app.base_url + "/v1/chat/completions", timeout=120, headers=AUTH, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Name a peak."}], "max_tokens": 40, "temperature": 0})
+    r = httpx.post(
+        features_app.base_url + "/v1/chat/completions",
+        timeout=120,
+        headers=AUTH,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Name a peak."}],
+            "max_tokens": 40,
+            "temperature": 0,
+        },
+    )
     text = r.json()["choices"][0]["message"]["content"]
     with pytest.raises((ValueError, jsonschema.ValidationError)):
         jsonschema.validate(json.loads(text), SCHEMA)
@@ -123,8 +169,9 @@ def test_without_a_schema_the_random_model_writes_no_json(features_app):
 def test_each_model_family_answers_through_the_same_yaml(client, arch):
     """Each family's checkpoint runs in vLLM's own class for it (a Mixtral replica sends each token through 2 of
     its 4 experts)."""
-    answer = client.completions.create(model=f"tiny-{arch}", prompt="The ridge at dawn", max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    answer = client.completions.create(
+        model=f"tiny-{arch}", prompt="The ridge at dawn", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert answer.usage.completion_tokens == 12 and answer.choices[0].text
 
 
@@ -136,25 +183,51 @@ def test_a_quantized_model_answers_unlike_its_bf16_checkpoint(client):
     assert quantized and quantized != base, (quantized, base)
 
 
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": {"type": "string", "enum": ["Zermatt", "Chamonix", "Talkeetna"]},
-                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
-ROUTE = {"type": "object", "additionalProperties": False, "required": ["peak", "grade"],
-         "properties": {"peak": {"type": "string", "enum": ["Eiger", "Denali"]},
-                        "grade": {"type": "integer", "minimum": 1, "maximum": 6}}}
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "unit"],
+    "properties": {
+        "city": {"type": "string", "enum": ["Zermatt", "Chamonix", "Talkeetna"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+}
+ROUTE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["peak", "grade"],
+    "properties": {
+        "peak": {"type": "string", "enum": ["Eiger", "Denali"]},
+        "grade": {"type": "integer", "minimum": 1, "maximum": 6},
+    },
+}
 # `strict: true` (OpenAI's strict mode): vLLM then holds the arguments to the schema too, not only the call's envelope
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a town.", "parameters": WEATHER,
-                                           "strict": True}},
-         {"type": "function", "function": {"name": "get_route", "description": "A climbing route.", "parameters": ROUTE,
-                                           "strict": True}}]
-PLAIN_TOOLS = [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in TOOLS]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a town.", "parameters": WEATHER, "strict": True},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_route", "description": "A climbing route.", "parameters": ROUTE, "strict": True},
+    },
+]
+PLAIN_TOOLS = [
+    {"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in TOOLS
+]
 PARAMETERS = {"get_weather": WEATHER, "get_route": ROUTE}
 ASK = [{"role": "user", "content": "Is it safe to climb tomorrow?"}]
 
 
 def test_a_named_tool_choice_returns_a_call_of_that_tool(client):
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0,
-                                            tool_choice={"type": "function", "function": {"name": "get_route"}})
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=200,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_route"}},
+    )
     (call,) = answer.choices[0].message.tool_calls
     assert call.type == "function" and call.function.name == "get_route" and call.id
     jsonschema.validate(json.loads(call.function.arguments), ROUTE)
@@ -183,13 +256,28 @@ def test_auto_tool_choice_runs_the_llama3_json_parser(client):
     """`auto` is refused by vLLM unless the YAML switched on automatic tool choice with a parser; the random model
     does not call a tool by itself, so the parser hands its text back as content. A tool's result (an `ipython`
     turn in the template) is accepted as the next turn."""
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=PLAIN_TOOLS, tool_choice="auto",
-                                            max_tokens=12, temperature=0)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=PLAIN_TOOLS, tool_choice="auto", max_tokens=12, temperature=0
+    )
     message = answer.choices[0].message
     assert message.content and not message.tool_calls
-    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call0", "type": "function", "function": {
-        "name": "get_weather", "arguments": json.dumps({"city": "Zermatt", "unit": "celsius"})}}]},
-        {"role": "tool", "tool_call_id": "call0", "content": json.dumps({"forecast": "snow", "wind_kmh": 60})}]
+    turns = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call0",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": json.dumps({"city": "Zermatt", "unit": "celsius"}),
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call0", "content": json.dumps({"forecast": "snow", "wind_kmh": 60})},
+    ]
     after = client.chat.completions.create(model=MODEL, messages=turns, tools=PLAIN_TOOLS, max_tokens=12, temperature=0)
     assert after.choices[0].message.content and after.usage.prompt_tokens > answer.usage.prompt_tokens
 
@@ -211,6 +299,21 @@ def test_an_adapter_loaded_at_run_time_is_served_routed_and_unloaded(features_ap
     assert httpx.post(url + "/v1/load_lora_adapter", json=load, timeout=60).status_code == 401  # no key
     bad = httpx.post(url + "/v1/load_lora_adapter", json={**load, "lora_path": str(tmp_path)}, headers=AUTH, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path", bad.text
+    # an adapter the engine itself refuses (rank 64 over the YAML's max_lora_rank 16): a 400 naming the path, and no
+    # replica keeps or lists it
+    over = tmp_path / "rank-64"
+    shutil.copytree(path, over)
+    config = json.loads((over / "adapter_config.json").read_text())
+    (over / "adapter_config.json").write_text(json.dumps({**config, "r": 64}))
+    refused = httpx.post(
+        url + "/v1/load_lora_adapter",
+        json={"lora_name": "tiny-refused", "lora_path": str(over)},
+        headers=AUTH,
+        timeout=120,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora_path", refused.text
+    # (the registry holds the name while the engine tries it: other replicas may list it for one sync, ≈ 1 s)
+    assert wait_for(lambda: all("tiny-refused" not in _listed(client) for _ in range(12)), 20, 0.5)
     r = httpx.post(url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=120)
     assert r.status_code == 200 and "added successfully" in r.text, r.text
     again = httpx.post(url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=60)

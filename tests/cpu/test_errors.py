@@ -27,8 +27,9 @@ def post(summit, path: str, **kwargs) -> httpx.Response:
 
 @pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe\x00", b"[1, 2]", b""])
 def test_malformed_body_is_400(summit, client, body):
-    assert_openai_error(post(summit, "/v1/chat/completions", content=body,
-                             headers={"content-type": "application/json"}), 400)
+    assert_openai_error(
+        post(summit, "/v1/chat/completions", content=body, headers={"content-type": "application/json"}), 400
+    )
     assert_still_serving(client)
 
 
@@ -40,16 +41,41 @@ def test_unknown_model_is_404_listing_known(summit, client):
     assert_still_serving(client)
 
 
-@pytest.mark.parametrize("params", [
-    {"max_tokens": -1},
-    {"temperature": -2},
-    {"top_p": 7},
-    {"n": 0},
-    {"logprobs": "many"},
-    {"max_tokens": 100000},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_tokens": -1},
+        {"temperature": -2},
+        {"top_p": 7},
+        {"n": 0},
+        {"logprobs": "many"},
+        {"max_tokens": 100000},
+    ],
+)
 def test_invalid_parameters_are_400(summit, client, params):
     assert_openai_error(post(summit, "/v1/completions", json={"model": MODEL, "prompt": "x", **params}), 400)
+    assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#"}}},
+            },
+        ),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": {"$ref": "#"}}}),
+    ],
+)
+def test_a_structured_output_no_output_can_meet_is_400_naming_the_field(summit, client, path, body):
+    """vLLM's own server answers these 500 ("Internal server error"): its grammar for a schema that only refers to
+    itself rejects every token once the request is scheduled. The schema is the client's."""
+    error = assert_openai_error(post(summit, path, json={"model": MODEL, "max_tokens": 3, **body}), 400)
+    assert error["param"] == next(k for k in ("response_format", "structured_outputs") if k in body)
+    assert error["param"] in error["message"]
     assert_still_serving(client)
 
 
@@ -58,15 +84,21 @@ def test_invalid_chat_messages_are_400(summit, client):
         r = post(summit, "/v1/chat/completions", json={"model": MODEL, "messages": messages})
         assert_openai_error(r, 400)
     # a non-JSON content type with a JSON body is still read as JSON, not a 500
-    r = post(summit, "/v1/chat/completions", content=b'{"model": "tiny-llama", "messages": null}',
-             headers={"content-type": "text/plain"})
+    r = post(
+        summit,
+        "/v1/chat/completions",
+        content=b'{"model": "tiny-llama", "messages": null}',
+        headers={"content-type": "text/plain"},
+    )
     assert_openai_error(r, 400)
     assert_still_serving(client)
 
 
 def test_prompt_longer_than_max_model_len_is_400(summit, client):
     prompt = "mountain " * (MAX_MODEL_LEN + 500)  # one token per word, plus BOS
-    error = assert_openai_error(post(summit, "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}), 400)
+    error = assert_openai_error(
+        post(summit, "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}), 400
+    )
     assert str(MAX_MODEL_LEN) in error["message"] or "context" in error["message"].lower()
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4)

@@ -31,8 +31,17 @@ def test_openapi_document_has_vllms_request_schemas_and_summits_routes(summit):
     body = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}
     assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert {"/v1/completions", "/tokenize", "/detokenize", "/v1/models", "/v1/files", "/v1/files/{file_id}",
-            "/v1/batches", "/v1/batches/{batch_id}/cancel", "/health"} <= set(paths)
+    assert {
+        "/v1/completions",
+        "/tokenize",
+        "/detokenize",
+        "/v1/models",
+        "/v1/files",
+        "/v1/files/{file_id}",
+        "/v1/batches",
+        "/v1/batches/{batch_id}/cancel",
+        "/health",
+    } <= set(paths)
     assert not {"/metrics", "/v1/responses", "/load", "/invocations"} & set(paths)  # vLLM's, not routed by Summit
     assert "429" in paths["/v1/completions"]["post"]["responses"]
     import schemathesis
@@ -48,8 +57,14 @@ def test_problem_detects_what_it_must():
     assert problem(503, {"Retry-After": "1"}, b'{"error": {"message": "m", "type": "x", "code": 503}}') is None
     assert problem(503, {}, b'{"error": {"message": "m", "type": "x", "code": 503}}') == "server error 503"
     assert problem(422, {}, b'{"detail": [1]}') == "422 not OpenAI-shaped"
-    for leak in ('Traceback (most recent call last)', '/tmp/ray/session', '10.0.0.7', 'pid=4242',
-                 'replica 3f2a9c1e0b7d4e5f8a6b9c0d1e2f3a4b', 'ray::ServeReplica'):
+    for leak in (
+        "Traceback (most recent call last)",
+        "/tmp/ray/session",
+        "10.0.0.7",
+        "pid=4242",
+        "replica 3f2a9c1e0b7d4e5f8a6b9c0d1e2f3a4b",
+        "ray::ServeReplica",
+    ):
         body = b'{"error": {"message": "%s", "type": "x", "code": 400}}' % leak.encode()
         assert problem(400, {}, body) and "leaks" in problem(400, {}, body), leak
     # the client's own input echoed back is not a leak (found by the 10,000 run: `GET /v1/files?after=ReplicaId`)

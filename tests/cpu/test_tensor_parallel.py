@@ -2,7 +2,7 @@
 
 The model is written for GPUs (`accelerator: gpu`, TP 2, `gpus_per_node: 2`) and served on a one-node loopback
 cluster that declares two Ray "GPU" worker slots; Summit's vLLM platform plugin (SUMMIT_VLLM_CPU_RAY=1,
-`deployments/vllm_adapter.py`) runs vLLM's Ray executor on the CPU. So the path the GPU host takes — the placement
+`deployments/engine/platform.py`) runs vLLM's Ray executor on the CPU. So the path the GPU host takes — the placement
 plan, the replica's placement group handed to vLLM, one Ray worker per bundle, the all-reduce between the two
 ranks (gloo here, NCCL there), the multicast-off environment and engine config of every GPU engine — fails CI
 when it regresses, not only the GPU host.
@@ -13,9 +13,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.local_cluster import LocalCluster, load_serve_config
 from tests.cpu.engine_apps import REPO
 from tests.engine_checks import assert_multicast_off, engine_processes, replica_actors, vllm_workers
+from tests.local_cluster import LocalCluster, load_serve_config
 
 MODEL = "tiny-tp2"
 PLATFORM = {"SUMMIT_VLLM_CPU_RAY": "1"}
@@ -28,12 +28,26 @@ def tp2_app(tiny_model_dir):
     application = config["applications"][0]
     application["runtime_env"]["env_vars"].pop("VLLM_CPU_KVCACHE_SPACE", None)
     application["runtime_env"]["env_vars"].update(PLATFORM, OMP_NUM_THREADS="1")
-    application["args"] = {"placement_wait_s": 60, "models": [{
-        "name": MODEL, "source": str(tiny_model_dir), "accelerator": "gpu", "tensor_parallel_size": 2,
-        "gpus_per_node": 2,
-        "engine_kwargs": {"dtype": "bfloat16", "max_model_len": 1024, "max_num_seqs": 8, "enforce_eager": True,
-                          "kv_cache_memory_bytes": 64 << 20},
-        "deployment": {"num_cpus": 0.5}}]}
+    application["args"] = {
+        "placement_wait_s": 60,
+        "models": [
+            {
+                "name": MODEL,
+                "source": str(tiny_model_dir),
+                "accelerator": "gpu",
+                "tensor_parallel_size": 2,
+                "gpus_per_node": 2,
+                "engine_kwargs": {
+                    "dtype": "bfloat16",
+                    "max_model_len": 1024,
+                    "max_num_seqs": 8,
+                    "enforce_eager": True,
+                    "kv_cache_memory_bytes": 64 << 20,
+                },
+                "deployment": {"num_cpus": 0.5},
+            }
+        ],
+    }
     try:
         cluster.start()
         cluster.serve_deploy(config, timeout_s=900)
@@ -44,11 +58,19 @@ def tp2_app(tiny_model_dir):
 
 def test_a_tp2_replica_answers_from_two_workers_in_its_placement_group(tp2_app):
     client = openai.OpenAI(base_url=tp2_app.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    r = client.completions.create(model=MODEL, prompt="Split across workers", max_tokens=8, logprobs=2,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt="Split across workers", max_tokens=8, logprobs=2, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 8 and len(r.choices[0].logprobs.top_logprobs) == 8
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens == 8
 
     (replica,) = replica_actors(tp2_app, MODEL)

@@ -1,11 +1,12 @@
-"""GPU suite: skipped without CUDA. One Ray cluster per session with all local GPUs; apps are redeployed per test module."""
+"""GPU suite: skipped without CUDA. One Ray cluster per session with all local GPUs; apps are redeployed per test
+module."""
 
 from __future__ import annotations
 
 import pytest
 
+from app.clusters.tiny_model import make_model_config, make_tiny_model
 from tests.local_cluster import LocalCluster
-from app.tiny_model import make_model_config, make_tiny_model
 
 
 def _cuda_devices() -> int:
@@ -23,30 +24,51 @@ if _cuda_devices() == 0:  # nothing here can run without a GPU: collect nothing 
 def pytest_report_header(config):
     return f"GPU suite: {_cuda_devices()} CUDA device(s)" + ("" if _cuda_devices() else " - tests/gpu skipped")
 
+
 GPU_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
 
 
 def app_config(models: list[dict]) -> dict:
-    return {"proxy_location": "HeadOnly", "applications": [{
-        "name": "summit", "route_prefix": "/", "import_path": "app.builder:build_app",
-        "runtime_env": {"env_vars": GPU_ENV}, "args": {"models": models}}]}
+    return {
+        "proxy_location": "HeadOnly",
+        "applications": [
+            {
+                "name": "summit",
+                "route_prefix": "/",
+                "import_path": "app.build:build_app",
+                "runtime_env": {"env_vars": GPU_ENV},
+                "args": {"models": models},
+            }
+        ],
+    }
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
-    return {"tiny": str(make_tiny_model(root / "tiny-llama", hidden_size=256)),
-            "8b": str(make_model_config("llama-3.1-8b", root / "llama-8b"))}
+    return {
+        "tiny": str(make_tiny_model(root / "tiny-llama", hidden_size=256)),
+        "8b": str(make_model_config("llama-3.1-8b", root / "llama-8b")),
+    }
 
 
 def tiny_gpu_model(model_dirs, **overrides) -> dict:
-    return {"name": "tiny-llama", "source": model_dirs["tiny"], "accelerator": "gpu",
-            "engine_kwargs": {"max_model_len": 2048, "gpu_memory_utilization": 0.15, "max_num_seqs": 64}, **overrides}
+    return {
+        "name": "tiny-llama",
+        "source": model_dirs["tiny"],
+        "accelerator": "gpu",
+        "engine_kwargs": {"max_model_len": 2048, "gpu_memory_utilization": 0.15, "max_num_seqs": 64},
+        **overrides,
+    }
 
 
 def llama8b_model(model_dirs) -> dict:
-    return {"name": "llama-8b", "source": model_dirs["8b"], "accelerator": "gpu",
-            "engine_kwargs": {"load_format": "dummy", "max_model_len": 4096, "gpu_memory_utilization": 0.85}}
+    return {
+        "name": "llama-8b",
+        "source": model_dirs["8b"],
+        "accelerator": "gpu",
+        "engine_kwargs": {"load_format": "dummy", "max_model_len": 4096, "gpu_memory_utilization": 0.85},
+    }
 
 
 @pytest.fixture(scope="session")

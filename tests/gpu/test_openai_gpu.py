@@ -34,12 +34,25 @@ needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="8B sh
 def test_llama8b_shapes_chat_stream_and_logprobs(client):
     models = {m.id: m for m in client.models.list().data}
     assert models["llama-8b"].model_extra["max_model_len"] == 4096
-    chat = client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=16, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model="llama-8b",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=16,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.usage.completion_tokens == 16 and len(chat.choices[0].logprobs.content) == 16
-    stream = client.completions.create(model="llama-8b", prompt="The summit", max_tokens=32, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="llama-8b",
+        prompt="The summit",
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     assert list(stream)[-1].usage.completion_tokens == 32
-    r = client.completions.create(model="llama-8b", prompt="The summit is high", max_tokens=2,
-                                  extra_body={"prompt_logprobs": 1})
+    r = client.completions.create(
+        model="llama-8b", prompt="The summit is high", max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
     assert len(r.choices[0].model_extra["prompt_logprobs"]) == r.usage.prompt_tokens

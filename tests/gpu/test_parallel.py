@@ -16,9 +16,9 @@ import psutil
 import pytest
 import torch
 
-from tests.local_cluster import LocalCluster
 from tests.engine_checks import assert_multicast_off, replica_actors, vllm_workers
 from tests.gpu.conftest import app_config, tiny_gpu_model
+from tests.local_cluster import LocalCluster
 from tests.netns_hosts import NetnsHost, netns_available
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -26,8 +26,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 G
 
 def answer(base_url: str) -> openai.types.Completion:
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    return client.completions.create(model="tiny-llama", prompt="Split across GPUs", max_tokens=16, logprobs=2,
-                                     extra_body={"ignore_eos": True})
+    return client.completions.create(
+        model="tiny-llama", prompt="Split across GPUs", max_tokens=16, logprobs=2, extra_body={"ignore_eos": True}
+    )
 
 
 def check_one_replica_on_two_workers(cluster: LocalCluster) -> None:
@@ -41,20 +42,26 @@ def check_one_replica_on_two_workers(cluster: LocalCluster) -> None:
 
 
 def test_tensor_parallel_2_in_one_placement_group(summit, model_dirs):
-    summit.serve_deploy(app_config([tiny_gpu_model(model_dirs, tensor_parallel_size=2, gpus_per_node=2)]),
-                        timeout_s=900)
+    summit.serve_deploy(
+        app_config([tiny_gpu_model(model_dirs, tensor_parallel_size=2, gpus_per_node=2)]), timeout_s=900
+    )
     check_one_replica_on_two_workers(summit)
 
 
 def test_pipeline_parallel_2_on_one_node(summit, model_dirs):
-    summit.serve_deploy(app_config([tiny_gpu_model(model_dirs, pipeline_parallel_size=2, gpus_per_node=2)]),
-                        timeout_s=900)
+    summit.serve_deploy(
+        app_config([tiny_gpu_model(model_dirs, pipeline_parallel_size=2, gpus_per_node=2)]), timeout_s=900
+    )
     check_one_replica_on_two_workers(summit)
 
 
 def gpu_uuid_of_pids() -> dict[int, str]:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return {int(pid): uuid.strip() for pid, uuid in (line.split(",") for line in out.splitlines() if line.strip())}
 
 
@@ -80,14 +87,27 @@ def test_two_tp1_replicas_on_distinct_gpus_behind_the_router(summit, model_dirs)
 def test_pipeline_parallel_2_across_two_nodes(summit, model_dirs):
     summit.serve_shutdown()  # frees both GPUs of the session cluster
     host = NetnsHost(subnet=252).up()
-    head_env = {"CUDA_VISIBLE_DEVICES": "0", "VLLM_HOST_IP": host.root_ip, "NCCL_SOCKET_IFNAME": host.root_if,
-                "GLOO_SOCKET_IFNAME": host.root_if}
+    head_env = {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "VLLM_HOST_IP": host.root_ip,
+        "NCCL_SOCKET_IFNAME": host.root_if,
+        "GLOO_SOCKET_IFNAME": host.root_if,
+    }
     cluster = LocalCluster(num_cpus=8, num_gpus=1, node_ip=host.root_ip, env=head_env)
     try:
         cluster.start()
-        cluster.add_worker(host.host_ip, num_cpus=8, num_gpus=1, prefix=host.exec_prefix,
-                           env={"CUDA_VISIBLE_DEVICES": "1", "VLLM_HOST_IP": host.host_ip,
-                                "NCCL_SOCKET_IFNAME": host.host_if, "GLOO_SOCKET_IFNAME": host.host_if})
+        cluster.add_worker(
+            host.host_ip,
+            num_cpus=8,
+            num_gpus=1,
+            prefix=host.exec_prefix,
+            env={
+                "CUDA_VISIBLE_DEVICES": "1",
+                "VLLM_HOST_IP": host.host_ip,
+                "NCCL_SOCKET_IFNAME": host.host_if,
+                "GLOO_SOCKET_IFNAME": host.host_if,
+            },
+        )
         model = tiny_gpu_model(model_dirs, pipeline_parallel_size=2, gpus_per_node=1)
         cluster.serve_deploy(app_config([model]), timeout_s=900)
         r = answer(cluster.base_url)

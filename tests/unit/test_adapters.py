@@ -1,5 +1,5 @@
-"""A replica's LoRA adapters (deployments/adapters.py) with a recording fake of vLLM's load/unload, and the YAML's
-`lora:` key (app/lora.py, app/config.py)."""
+"""A replica's LoRA adapters (deployments/lora/adapters.py) with a recording fake of vLLM's load/unload, and the YAML's
+`lora:` key (app/config/lora.py, app/config/__init__.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from app.config import SummitConfig
-from deployments.adapters import AdapterLoadError, Adapters
+from deployments.engine import engine_args
+from deployments.lora.adapters import AdapterLoadError, Adapters
 
 
 def make(max_loaded: int = 2, fail: set[str] = frozenset()):
@@ -65,14 +66,16 @@ def model(**fields) -> dict:
 
 
 def test_lora_yaml_sets_vllms_engine_args_and_names_clashes():
-    config = SummitConfig.model_validate({"models": [model(lora={"adapters": [{"name": "sql", "path": "/a/sql"}],
-                                                                  "max_loras": 3})]})
-    args = config.models[0].engine_args()
+    config = SummitConfig.model_validate(
+        {"models": [model(lora={"adapters": [{"name": "sql", "path": "/a/sql"}], "max_loras": 3})]}
+    )
+    args = engine_args(config.models[0])
     assert (args["enable_lora"], args["max_loras"], args["max_cpu_loras"], args["max_lora_rank"]) == (True, 3, 3, 16)
     assert config.models[0].adapter_names == ["sql"]
     with pytest.raises(ValueError, match=r"engine_kwargs.max_loras: LoRA is set with the model's `lora:` key"):
-        SummitConfig.model_validate({"models": [model(engine_kwargs={"max_loras": 2},
-                                                      lora={"adapters": [{"name": "s", "path": "/a"}]})]})
+        SummitConfig.model_validate(
+            {"models": [model(engine_kwargs={"max_loras": 2}, lora={"adapters": [{"name": "s", "path": "/a"}]})]}
+        )
     with pytest.raises(ValueError, match="must be unique; repeated: tiny"):
         SummitConfig.model_validate({"models": [model(lora={"adapters": [{"name": "tiny", "path": "/a"}]})]})
     with pytest.raises(ValueError, match="lora.adapters"):

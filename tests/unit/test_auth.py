@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.config import SummitConfig
-from deployments.auth import authorized, load_api_keys, unauthorized
+from deployments.pipeline.auth import authorized, load_api_keys, unauthorized
 
 MODEL = {"name": "m", "source": "/m", "accelerator": "cpu"}
 
@@ -20,11 +20,14 @@ def test_keys_from_an_env_var_or_a_file(tmp_path):
     assert load_api_keys(None, str(secret)) == [b"k3", b"k4"]
 
 
-@pytest.mark.parametrize("env_var, file, env, words", [
-    ("KEYS", None, {}, ["auth.api_keys_env", "KEYS is not set"]),
-    ("KEYS", None, {"KEYS": " , "}, ["auth.api_keys_env", "no key"]),
-    (None, "/nonexistent/keys", {}, ["auth.api_keys_file", "cannot read"]),
-])
+@pytest.mark.parametrize(
+    "env_var, file, env, words",
+    [
+        ("KEYS", None, {}, ["auth.api_keys_env", "KEYS is not set"]),
+        ("KEYS", None, {"KEYS": " , "}, ["auth.api_keys_env", "no key"]),
+        (None, "/nonexistent/keys", {}, ["auth.api_keys_file", "cannot read"]),
+    ],
+)
 def test_a_missing_or_empty_key_source_is_named(env_var, file, env, words):
     with pytest.raises(ValueError) as e:
         load_api_keys(env_var, file, env)
@@ -39,12 +42,12 @@ def test_only_a_bearer_with_a_known_key_passes():
 
 
 def test_401_is_openai_shaped_and_never_echoes_the_key():
-    response = unauthorized("Bearer not-the-key")
+    response = unauthorized("Bearer not-the-key").response()
     body = json.loads(response.body)
     assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
     assert body["error"]["type"] == "AuthenticationError" and body["error"]["code"] == 401
     assert "not-the-key" not in response.body.decode()
-    assert "Missing" in json.loads(unauthorized(None).body)["error"]["message"]
+    assert "Missing" in json.loads(unauthorized(None).response().body)["error"]["message"]
 
 
 def test_auth_config_needs_exactly_one_source():

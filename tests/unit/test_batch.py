@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from app.batch.core import Answer, Unavailable, run_lines
-from app.batch.lines import Line, grouped, parse_lines, window_seconds
-from app.batch.store import BatchStore, Conflict, NotFound
+from deployments.batch.core import Answer, Unavailable, run_lines
+from deployments.batch.lines import Line, grouped, parse_lines, window_seconds
+from deployments.batch.store import BatchStore, Conflict, NotFound
 
 URL = "/v1/completions"
 
@@ -93,17 +93,28 @@ def test_retention_deletes_old_files(tmp_path):
 
 
 def test_each_bad_line_named_with_its_field():
-    data = jsonl(req("ok"), b"{not json", {"method": "POST", "url": URL, "body": {}}, req("ok"),
-                 {**req("u"), "url": "/v1/embeddings"}, req("m", model="nope"), {**req("s"), "body": {"model": "m",
-                                                                                                      "stream": True}},
-                 {**req("b"), "body": "text"})
+    data = jsonl(
+        req("ok"),
+        b"{not json",
+        {"method": "POST", "url": URL, "body": {}},
+        req("ok"),
+        {**req("u"), "url": "/v1/embeddings"},
+        req("m", model="nope"),
+        {**req("s"), "body": {"model": "m", "stream": True}},
+        {**req("b"), "body": "text"},
+    )
     lines, errors = parse_lines(data, URL, ["m"], 100)
     assert [x.custom_id for x in lines] == ["ok"]
     found = {(e.line, e.param, e.code) for e in errors}
-    assert found == {(2, None, "invalid_json_line"), (3, "custom_id", "invalid_request"),
-                     (4, "custom_id", "duplicate_custom_id"), (5, "url", "invalid_request"),
-                     (6, "body.model", "model_not_found"), (7, "body.stream", "invalid_request"),
-                     (8, "body", "invalid_request")}
+    assert found == {
+        (2, None, "invalid_json_line"),
+        (3, "custom_id", "invalid_request"),
+        (4, "custom_id", "duplicate_custom_id"),
+        (5, "url", "invalid_request"),
+        (6, "body.model", "model_not_found"),
+        (7, "body.stream", "invalid_request"),
+        (8, "body", "invalid_request"),
+    }
     assert all(f"line {e.line}" in e.message for e in errors)
     _, errors = parse_lines(jsonl(*(req(str(i)) for i in range(5))), URL, ["m"], 4)
     assert errors[0].code == "too_many_requests"
@@ -163,3 +174,67 @@ def test_core_bounds_concurrency_retries_busy_answers_and_stops():
 
     n = asyncio.run(run_lines(lines, send, on_done_then_stop, 2, stopped=lambda: bool(stop), retry_s=0.001))
     assert 5 <= n < 20 and len(done) == n
+
+
+def test_http_routes_answer_openai_shapes_and_wake_the_runner(tmp_path):
+    """The BatchAPI's own app (as its deployment builds it), in-process: no Ray, no HTTP server."""
+    import httpx
+
+    from deployments.batch.api import BatchAPI
+
+    class Runner:  # the runner's handle: `wake.remote()` on each create and cancel
+        wakes = 0
+
+        @property
+        def wake(self):
+            return self
+
+        def remote(self):
+            Runner.wakes += 1
+
+    api = BatchAPI(
+        {"db_path": str(tmp_path / "db.sqlite3"), "files_path": str(tmp_path / "files"), "max_file_bytes": 1000},
+        Runner(),
+    )
+    alice, bob = {"x-summit-owner": "alice"}, {"x-summit-owner": "bob"}
+
+    async def calls():
+        transport = httpx.ASGITransport(app=api._app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://batch") as c:
+            up = await c.post(
+                "/v1/files",
+                headers=alice,
+                data={"purpose": "batch"},
+                files={"file": ("in.jsonl", jsonl(req("a")), "application/jsonl")},
+            )
+            assert up.status_code == 200 and up.json()["purpose"] == "batch"
+            big = await c.post(
+                "/v1/files", headers=alice, data={"purpose": "batch"}, files={"file": ("b", b"x" * 1001)}
+            )
+            assert big.status_code == 413 and big.json()["error"]["param"] == "file"
+            create = {"input_file_id": up.json()["id"], "endpoint": URL, "completion_window": "24h"}
+            batch = await c.post("/v1/batches", headers=alice, json=create)
+            assert batch.status_code == 200 and batch.json()["status"] == "validating"
+            bad = await c.post("/v1/batches", headers=alice, json={**create, "completion_window": "1w"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "completion_window"
+            missing = await c.get(f"/v1/batches/{batch.json()['id']}", headers=bob)  # another key's batch
+            assert missing.status_code == 404
+            assert missing.json() == {
+                "error": {
+                    "message": f"No batch with id '{batch.json()['id']}'",
+                    "type": "NotFoundError",
+                    "param": None,
+                    "code": 404,
+                }
+            }
+            listed = await c.get("/v1/batches", headers=alice)
+            assert [b["id"] for b in listed.json()["data"]] == [batch.json()["id"]]
+            assert (await c.get("/v1/batches?limit=x")).json()["error"]["param"] == "limit"
+            assert (await c.get("/v1/nope")).json()["error"]["code"] == 404
+            assert (await c.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=alice)).json()[
+                "status"
+            ] == "cancelling"
+
+    asyncio.run(calls())
+    assert Runner.wakes == 2
+    api.store.close()

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from app.cli import main
-from app.kuberay import render_rayservice
+from app.clusters.kuberay import render_rayservice
 
 ROOT = Path(__file__).parents[2]
 CLUSTER = ROOT / "cluster_yaml"
@@ -49,7 +49,7 @@ def test_cloud_files_have_an_8_gpu_worker_type_and_deploy_summit(name):
     workers = {k: v for k, v in config["available_node_types"].items() if k != config["head_node_type"]}
     node_config = next(iter(workers.values()))["node_config"]
     assert node_config.get("InstanceType") == "p5.48xlarge" or node_config.get("machineType") == "a3-highgpu-8g"
-    assert any('"summit[gpu]==0.1.0"' in c for c in config["setup_commands"])
+    assert any('"summit-serve[gpu]==0.1.0"' in c for c in config["setup_commands"])
     assert any("serve deploy ~/summit/serve_configs/" in c for c in config["head_start_ray_commands"])
     assert config["provider"]["type"] == name.removesuffix(".yaml")
 
@@ -71,8 +71,12 @@ def test_launcher_files_use_token_auth_everywhere(name):
 def test_cluster_files_start_ray_with_serves_haproxy():
     for name in LAUNCHER_FILES:
         config = yaml.safe_load((CLUSTER / name).read_text())
-        starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
-        assert len(starts) == 2 and all('eval "$(summit direct-path-env)"; RAY_AUTH_MODE=token ray start' in c for c in starts), name
+        starts = [
+            c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c
+        ]
+        assert len(starts) == 2 and all(
+            'eval "$(summit direct-path-env)"; RAY_AUTH_MODE=token ray start' in c for c in starts
+        ), name
     assert 'eval "$(summit job-env ' in SBATCH.read_text()  # the direct path's environment, with the job's own ports
     spec = yaml.safe_load((CLUSTER / "kuberay/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
     groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
@@ -90,8 +94,9 @@ def test_every_cluster_config_uses_token_auth():
 def test_rayservice_is_a_fresh_generation(monkeypatch):
     committed = (CLUSTER / "kuberay/rayservice.yaml").read_text()
     monkeypatch.chdir(ROOT)  # the header names the Serve YAML as given on the command line
-    assert committed == render_rayservice("serve_configs/llama70b.yaml"), \
+    assert committed == render_rayservice("serve_configs/llama70b.yaml"), (
         "regenerate: summit kuberay serve_configs/llama70b.yaml > cluster_yaml/kuberay/rayservice.yaml"
+    )
 
 
 def test_rayservice_content():
@@ -131,7 +136,9 @@ def dry_run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_sbatch_dry_run_prints_the_cluster_commands(tmp_path):
-    result = dry_run(tmp_path, "--dry-run", "--config", "serve_configs/llama405b.yaml", "--log-dir", str(tmp_path / "logs"))
+    result = dry_run(
+        tmp_path, "--dry-run", "--config", "serve_configs/llama405b.yaml", "--log-dir", str(tmp_path / "logs")
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     head = [x for x in lines if "ray start --head" in x]
@@ -150,8 +157,9 @@ def test_sbatch_dry_run_prints_the_cluster_commands(tmp_path):
 def test_sbatch_dry_run_from_env_and_token_present(tmp_path):
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray/auth_token").write_text("secret")
-    result = dry_run(tmp_path, DRY_RUN="1", SERVE_CONFIG="serve_configs/llama70b.yaml", SUMMIT_NODES="n1",
-                     GPUS_PER_NODE="4")
+    result = dry_run(
+        tmp_path, DRY_RUN="1", SERVE_CONFIG="serve_configs/llama70b.yaml", SUMMIT_NODES="n1", GPUS_PER_NODE="4"
+    )
     assert result.returncode == 0, result.stderr
     assert "get-auth-token" not in result.stdout and "secret" not in result.stdout
     assert "--config serve_configs/llama70b.yaml" in result.stdout and "--num-gpus=4" in result.stdout
@@ -159,24 +167,28 @@ def test_sbatch_dry_run_from_env_and_token_present(tmp_path):
 
 
 def test_the_shipped_sbatch_is_summit_sbatch_output(monkeypatch):
-    from app.sbatch import render, spec_from_header
+    from app.clusters.sbatch import render, spec_from_header
 
     committed = SBATCH.read_text()
     monkeypatch.chdir(ROOT)
     spec = spec_from_header(committed)
     assert spec.config == "serve_configs/llama405b.yaml" and spec.gpus_per_node == 8
-    assert committed == render(spec), "regenerate: summit sbatch serve_configs/llama405b.yaml --gpus-per-node 8 " \
+    assert committed == render(spec), (
+        "regenerate: summit sbatch serve_configs/llama405b.yaml --gpus-per-node 8 "
         "--gpu h100-80gb -o cluster_yaml/slurm/summit.sbatch"
+    )
     assert "#SBATCH --nodes=2\n" in committed and "#SBATCH --gpus-per-node=8\n" in committed  # TP 8 × PP 2
 
 
 def test_summit_sbatch_sizes_the_job_from_the_yaml(monkeypatch):
-    from app.sbatch import JobSpec, render
+    from app.clusters.sbatch import JobSpec, render
 
     monkeypatch.chdir(ROOT)
     assert "#SBATCH --nodes=1\n" in render(JobSpec("serve_configs/llama70b.yaml", 8, time="2:00:00"))  # TP 4
     script = render(JobSpec("serve_configs/llama405b-fp8.yaml", 8, partition="gpu", time="4:00:00"))
-    assert "#SBATCH --nodes=1\n" in script and "#SBATCH --partition=gpu\n" in script and "#SBATCH --time=4:00:00" in script
+    assert (
+        "#SBATCH --nodes=1\n" in script and "#SBATCH --partition=gpu\n" in script and "#SBATCH --time=4:00:00" in script
+    )
     with pytest.raises(ValueError, match="need 16 GPUs .* has 8"):
         render(JobSpec("serve_configs/llama405b.yaml", 8, nodes=1))
     cpu = render(JobSpec("serve_configs/tiny-cpu.yaml", 0, nodes=2))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from app.deployment_options import llm_deployment_options
+from app.build.engine_checks import ENGINE_CONTEXT, load_config
+from app.build.options import llm_deployment_options
 from app.config import ModelConfig, SummitConfig, expand_env
+from deployments.engine import engine_args
 
 
 def model(**overrides) -> dict:
@@ -15,7 +17,7 @@ def model(**overrides) -> dict:
 
 def error_text(args: dict) -> str:
     with pytest.raises(ValidationError) as e:
-        SummitConfig.model_validate(args)
+        load_config(args)
     return str(e.value)
 
 
@@ -42,9 +44,16 @@ def test_engine_kwarg_with_wrong_type_is_named():
 
 
 def test_real_engine_kwargs_pass():
-    kwargs = {"max_num_seqs": 8, "enforce_eager": True, "dtype": "bfloat16", "kv_cache_memory_bytes": 1 << 26,
-              "max_model_len": 1024, "load_format": "dummy", "enable_prefix_caching": True}
-    assert ModelConfig.model_validate(model(engine_kwargs=kwargs)).engine_kwargs == kwargs
+    kwargs = {
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "dtype": "bfloat16",
+        "kv_cache_memory_bytes": 1 << 26,
+        "max_model_len": 1024,
+        "load_format": "dummy",
+        "enable_prefix_caching": True,
+    }
+    assert ModelConfig.model_validate(model(engine_kwargs=kwargs), context=ENGINE_CONTEXT).engine_kwargs == kwargs
 
 
 def test_reserved_engine_kwargs_point_to_the_right_key():
@@ -53,7 +62,7 @@ def test_reserved_engine_kwargs_point_to_the_right_key():
 
 
 def test_frontend_kwargs_checked_against_vllm_server_options():
-    ModelConfig.model_validate(model(frontend_kwargs={"response_role": "assistant"}))
+    ModelConfig.model_validate(model(frontend_kwargs={"response_role": "assistant"}), context=ENGINE_CONTEXT)
     assert "frontend_kwargs.chat_templat" in error_text({"models": [model(frontend_kwargs={"chat_templat": "x"})]})
 
 
@@ -79,8 +88,11 @@ def test_max_ongoing_requests_follows_engine_batch():
     opts = llm_deployment_options(ModelConfig.model_validate(model(engine_kwargs={"max_num_seqs": 48})))
     assert opts["max_ongoing_requests"] == 48  # not Serve's default of 5
     assert opts["ray_actor_options"] == {"num_cpus": 0.5}
-    opts = llm_deployment_options(ModelConfig.model_validate(
-        model(accelerator="gpu", deployment={"max_ongoing_requests": 300, "num_replicas": 2})))
+    opts = llm_deployment_options(
+        ModelConfig.model_validate(
+            model(accelerator="gpu", deployment={"max_ongoing_requests": 300, "num_replicas": 2})
+        )
+    )
     assert opts["max_ongoing_requests"] == 300 and opts["num_replicas"] == 2
     assert opts["ray_actor_options"]["num_gpus"] == 1
 
@@ -94,53 +106,69 @@ def test_shipped_tiny_yaml_validates():
     assert doc["http_options"]["host"] == "127.0.0.1"
     app = doc["applications"][0]
     assert app["runtime_env"]["env_vars"]["RAY_AUTH_MODE"] == "disabled"
-    cfg = SummitConfig.model_validate(app["args"])
+    cfg = load_config(app["args"])
     assert cfg.models[0].accelerator == "cpu"
 
 
 def test_gpu_tp_pp_gets_a_placement_group_and_the_ray_executor():
-    m = ModelConfig.model_validate(model(accelerator="gpu", tensor_parallel_size=8, pipeline_parallel_size=2,
-                                         gpus_per_node=8))
+    m = ModelConfig.model_validate(
+        model(accelerator="gpu", tensor_parallel_size=8, pipeline_parallel_size=2, gpus_per_node=8)
+    )
     opts = llm_deployment_options(m)
     assert opts["ray_actor_options"]["num_cpus"] == 1.0 and "num_gpus" not in opts["ray_actor_options"]  # no GPU itself
     assert len(opts["placement_group_bundles"]) == 16 and opts["placement_group_strategy"] == "PACK"
     assert opts["placement_group_bundles"][0]["CPU"] > opts["placement_group_bundles"][1]["CPU"]
-    assert m.engine_args()["distributed_executor_backend"] == "ray"
+    assert engine_args(m)["distributed_executor_backend"] == "ray"
     single = ModelConfig.model_validate(model(accelerator="gpu"))
     assert "placement_group_bundles" not in llm_deployment_options(single)
-    assert "distributed_executor_backend" not in single.engine_args()
+    assert "distributed_executor_backend" not in engine_args(single)
     cpu = ModelConfig.model_validate(model(tensor_parallel_size=2))
-    assert "distributed_executor_backend" not in cpu.engine_args()  # vLLM's CPU platform refuses Ray's
+    assert "distributed_executor_backend" not in engine_args(cpu)  # vLLM's CPU platform refuses Ray's
 
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2, "gpus_per_node": 2},
-                                    {"tensor_parallel_size": 8, "pipeline_parallel_size": 2}])
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"tensor_parallel_size": 2, "gpus_per_node": 2}, {"tensor_parallel_size": 8, "pipeline_parallel_size": 2}],
+)
 def test_gpu_engines_never_use_nvlink_multicast(layout):
-    m = ModelConfig.model_validate(model(accelerator="gpu", engine_kwargs={"compilation_config": {"mode": 3}}, **layout))
+    m = ModelConfig.model_validate(
+        model(accelerator="gpu", engine_kwargs={"compilation_config": {"mode": 3}}, **layout)
+    )
     env = llm_deployment_options(m)["ray_actor_options"]["runtime_env"]["env_vars"]
     assert MULTICAST_OFF.items() <= env.items()
     # vLLM's FlashInfer all-reduce (standalone or fused with RMSNorm) would auto-select its multicast "mnnvl" backend
     assert env["VLLM_ALLREDUCE_USE_FLASHINFER"] == "0" and env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
     assert env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] != "mnnvl"
     # vLLM's Ray executor copies VLLM_* / NCCL_* to its workers by itself, the other two only when named
-    assert set(env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"].split(",")) == {"TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"}
-    compilation = m.engine_args()["compilation_config"]
+    assert set(env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"].split(",")) == {
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+        "NVSHMEM_DISABLE_NVLS",
+    }
+    compilation = engine_args(m)["compilation_config"]
     assert compilation == {"mode": 3, "pass_config": {"fuse_allreduce_rms": False}}  # the user's keys kept
 
 
 def test_gpu_engine_kwargs_that_enable_the_allreduce_fusion_are_refused():
-    text = error_text({"models": [model(accelerator="gpu", engine_kwargs={
-        "compilation_config": {"pass_config": {"fuse_allreduce_rms": True}}})]})
+    text = error_text(
+        {
+            "models": [
+                model(
+                    accelerator="gpu",
+                    engine_kwargs={"compilation_config": {"pass_config": {"fuse_allreduce_rms": True}}},
+                )
+            ]
+        }
+    )
     assert "engine_kwargs.compilation_config.pass_config.fuse_allreduce_rms" in text and "multicast" in text
 
 
 def test_cpu_engines_get_no_gpu_settings():
     m = ModelConfig.model_validate(model())
     assert "runtime_env" not in llm_deployment_options(m)["ray_actor_options"]
-    assert "compilation_config" not in m.engine_args()
+    assert "compilation_config" not in engine_args(m)
 
 
 class _FakeRay:
@@ -159,10 +187,12 @@ class _FakeRay:
 def test_build_refuses_a_model_the_cluster_cannot_place_naming_model_and_resource(monkeypatch):
     import sys
 
-    from app.builder import wait_until_placeable
-    from app.deployment_options import replica_bundles
+    from app.build.builder import wait_until_placeable
+    from app.build.options import replica_bundles
 
-    big = ModelConfig.model_validate(model(name="big", accelerator="gpu", tensor_parallel_size=8, pipeline_parallel_size=2))
+    big = ModelConfig.model_validate(
+        model(name="big", accelerator="gpu", tensor_parallel_size=8, pipeline_parallel_size=2)
+    )
     small = ModelConfig.model_validate(model(name="small", accelerator="gpu"))
     options = {m.name: llm_deployment_options(m) for m in (big, small)}
     assert replica_bundles(options["small"]) == ([{"CPU": 1.0, "GPU": 1}], "STRICT_PACK")
@@ -186,11 +216,14 @@ def test_placement_wait_is_a_checked_top_level_key():
 
 def test_a_config_mapping_in_engine_kwargs_reaches_vllm_as_its_config_object():
     """As `vllm serve --structured-outputs-config '{...}'` parses it (vLLM's OpenAI app reads its fields)."""
-    from deployments import vllm_adapter
+    from deployments import engine as vllm_adapter
 
-    args = vllm_adapter.serve_namespace("/m", "m", {"structured_outputs_config": {"backend": "xgrammar",
-                                                                                  "disable_any_whitespace": True},
-                                                    "max_model_len": 2048}, {})
+    args = vllm_adapter.serve_namespace(
+        "/m",
+        "m",
+        {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}, "max_model_len": 2048},
+        {},
+    )
     assert args.structured_outputs_config.disable_any_whitespace is True
     assert args.structured_outputs_config.reasoning_parser == ""
     assert args.max_model_len == 2048
@@ -200,10 +233,38 @@ def test_cpu_engines_take_only_the_quantization_methods_that_run_on_cpu():
     from app.config import ModelConfig
 
     entry = {"name": "m", "source": "/models/m", "accelerator": "cpu", "engine_kwargs": {"quantization": "fp8"}}
-    with pytest.raises(ValidationError, match=r"engine_kwargs.quantization 'fp8' does not run on CPU engines .*"
-                                              r"methods that do: fp8_per_channel"):
-        ModelConfig.model_validate(entry)
+    with pytest.raises(
+        ValidationError,
+        match=r"engine_kwargs.quantization 'fp8' does not run on CPU engines .*"
+        r"methods that do: fp8_per_channel",
+    ):
+        ModelConfig.model_validate(entry, context=ENGINE_CONTEXT)
     entry["engine_kwargs"]["quantization"] = "fp8_per_channel"
-    assert ModelConfig.model_validate(entry).engine_args()["quantization"] == "fp8_per_channel"
+    assert engine_args(ModelConfig.model_validate(entry, context=ENGINE_CONTEXT))["quantization"] == "fp8_per_channel"
     entry.update(accelerator="gpu", engine_kwargs={"quantization": "fp8"})  # GPUs: vLLM's own list applies
-    assert ModelConfig.model_validate(entry).engine_args()["quantization"] == "fp8"
+    assert engine_args(ModelConfig.model_validate(entry, context=ENGINE_CONTEXT))["quantization"] == "fp8"
+
+
+def test_weights_that_are_not_there_fail_before_any_replica_starts(tmp_path):
+    """app/build/sources.py, as the build runs it (before Serve starts any replica): the model, the key, the path."""
+    from app.build.sources import check_sources
+
+    def models(**fields) -> list[ModelConfig]:
+        return [ModelConfig.model_validate({"name": "m", "accelerator": "cpu", **fields})]
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt/config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    check_sources(models(source=str(tmp_path / "ckpt")))
+    check_sources(models(source="meta-llama/Llama-3.1-8B-Instruct"))  # a hub id goes to vLLM as it is
+    for source, why in [(tmp_path / "nope", "does not exist"), (tmp_path / "empty", "without config.json")]:
+        with pytest.raises(ValueError, match=rf"model 'm': source '{source}' .*{why}.*Fix: "):
+            check_sources(models(source=str(source)))
+    with pytest.raises(ValueError, match=r"model 'm': source_env MY_WEIGHTS '.*/nope' does not exist"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MY_WEIGHTS", str(tmp_path / "nope"))
+            check_sources(models(source_env="MY_WEIGHTS"))
+    with pytest.raises(ValueError, match="model 'm': source_env UNSET_WEIGHTS is not set"):
+        check_sources(models(source_env="UNSET_WEIGHTS"))
+    with pytest.raises(ValueError, match=r"model 'm': source '\$UNSET_DIR/x': environment variable UNSET_DIR"):
+        check_sources(models(source="$UNSET_DIR/x"))

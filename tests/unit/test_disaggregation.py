@@ -12,46 +12,65 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from app.build.disaggregation import disaggregation_problem, pd_side
+from app.build.engine_checks import load_config
+from app.build.options import engine_pools, prefill_deployment_options, serving_models
 from app.config import SummitConfig
-from app.deployment_options import engine_pools, prefill_deployment_options, serving_models
-from app.validate import Hardware, validate_doc
-from deployments.front import ReplicaFront
-from deployments.pd import Disaggregated
-from deployments.protocol import ResponseStart
-from deployments.replica_stream import ModelUnavailable
+from app.plan.validate import Hardware, validate_doc
+from deployments.engine import engine_args
+from deployments.http.errors import OpenAIError
+from deployments.http.protocol import ResponseStart
+from deployments.pipeline.prefill import Disaggregated
+from tests.unit.test_front import make_front
 
 
 def pd_model(**pd) -> dict:
-    return {"name": "m", "source": "/models/m", "accelerator": "cpu",
-            "disaggregation": {"connector": "shared_storage", **pd}}
+    return {
+        "name": "m",
+        "source": "/models/m",
+        "accelerator": "cpu",
+        "disaggregation": {"connector": "shared_storage", **pd},
+    }
 
 
 def error_text(model: dict) -> str:
     with pytest.raises(ValidationError) as e:
-        SummitConfig.model_validate({"models": [model]})
+        load_config({"models": [model]})
     return str(e.value)
 
 
 def test_each_side_is_the_model_with_its_own_settings_and_kv_transfer_config():
-    m = SummitConfig.model_validate({"models": [pd_model(
-        prefill={"deployment": {"num_replicas": 2}, "engine_kwargs": {"max_num_seqs": 4}},
-        connector_config={"shared_storage_path": "/kv"}, fallback="error")]}).models[0]
-    prefill, decode = m.pd_side("prefill"), m.pd_side("decode")
+    m = load_config(
+        {
+            "models": [
+                pd_model(
+                    prefill={"deployment": {"num_replicas": 2}, "engine_kwargs": {"max_num_seqs": 4}},
+                    connector_config={"shared_storage_path": "/kv"},
+                    fallback="error",
+                )
+            ]
+        }
+    ).models[0]
+    prefill, decode = pd_side(m, "prefill"), pd_side(m, "decode")
     assert prefill.deployment.num_replicas == 2 and decode.deployment.num_replicas == 1
-    assert prefill.engine_args()["max_num_seqs"] == 4 and "max_num_seqs" not in decode.engine_kwargs
-    kv = {side: cfg.engine_args()["kv_transfer_config"] for side, cfg in (("p", prefill), ("d", decode))}
+    assert engine_args(prefill)["max_num_seqs"] == 4 and "max_num_seqs" not in decode.engine_kwargs
+    kv = {side: engine_args(cfg)["kv_transfer_config"] for side, cfg in (("p", prefill), ("d", decode))}
     assert kv["p"]["kv_connector"] == kv["d"]["kv_connector"] == "ExampleConnector"
     assert (kv["p"]["kv_role"], kv["d"]["kv_role"]) == ("kv_producer", "kv_consumer")
-    assert kv["d"]["kv_connector_extra_config"] == {"shared_storage_path": "/kv"} and kv["d"]["kv_buffer_device"] == "cpu"
+    assert (
+        kv["d"]["kv_connector_extra_config"] == {"shared_storage_path": "/kv"} and kv["d"]["kv_buffer_device"] == "cpu"
+    )
     assert kv["d"].get("kv_load_failure_policy", "fail") == "fail"  # fallback: error
     assert decode.disaggregation_fallback == "error" and prefill.disaggregation is None
 
 
 def test_what_pd_cannot_do_is_refused_naming_the_key():
     assert "'nope' is not a KV connector" in error_text(pd_model(connector="nope"))
-    nixl = SummitConfig.model_validate({"models": [pd_model(connector="nixl")]}).models[0]  # valid YAML: `summit validate`
-    assert "nixl needs NIXL" in nixl.disaggregation_problem()  # ... but where the app is built without NIXL: refused
-    assert "disaggregation.prefill with tensor_parallel_size" in error_text(pd_model(prefill={"tensor_parallel_size": 2}))
+    nixl = load_config({"models": [pd_model(connector="nixl")]}).models[0]  # valid YAML: `summit validate`
+    assert "nixl needs NIXL" in disaggregation_problem(nixl)  # ... but where the app is built without NIXL: refused
+    assert "disaggregation.prefill with tensor_parallel_size" in error_text(
+        pd_model(prefill={"tensor_parallel_size": 2})
+    )
     assert "needs GPUs" in error_text(pd_model(kv_buffer_device="cuda"))
     assert "replicas" in error_text(pd_model(decode={"replicas": 2}))
     assert "engine_kwargs.max_num_seq" in error_text(pd_model(decode={"engine_kwargs": {"max_num_seq": 2}}))
@@ -60,7 +79,9 @@ def test_what_pd_cannot_do_is_refused_naming_the_key():
 
 
 def test_the_decode_side_serves_and_the_prefill_side_is_a_deployment_of_its_own():
-    config = SummitConfig.model_validate({"models": [pd_model(), {"name": "a", "source": "/models/a", "accelerator": "cpu"}]})
+    config = SummitConfig.model_validate(
+        {"models": [pd_model(), {"name": "a", "source": "/models/a", "accelerator": "cpu"}]}
+    )
     serving = serving_models(config.models)
     assert [m.name for m in serving] == ["m", "a"]
     assert serving[0].engine_kwargs["kv_transfer_config"]["kv_role"] == "kv_consumer"
@@ -69,10 +90,28 @@ def test_the_decode_side_serves_and_the_prefill_side_is_a_deployment_of_its_own(
 
 
 def test_validate_sizes_both_pools():
-    doc = {"applications": [{"import_path": "app.builder:build_app", "args": {"models": [{
-        "name": "llama", "source": "/nowhere", "model_preset": "llama-3.1-8b", "engine_kwargs": {"max_model_len": 8192},
-        "disaggregation": {"connector": "shared_storage", "kv_buffer_device": "cpu",
-                           "prefill": {"deployment": {"num_replicas": 2}}}}]}}]}
+    doc = {
+        "applications": [
+            {
+                "import_path": "app.build:build_app",
+                "args": {
+                    "models": [
+                        {
+                            "name": "llama",
+                            "source": "/nowhere",
+                            "model_preset": "llama-3.1-8b",
+                            "engine_kwargs": {"max_model_len": 8192},
+                            "disaggregation": {
+                                "connector": "shared_storage",
+                                "kv_buffer_device": "cpu",
+                                "prefill": {"deployment": {"num_replicas": 2}},
+                            },
+                        }
+                    ]
+                },
+            }
+        ]
+    }
     report = validate_doc(doc, Hardware("h100-80gb", 8, 1), env={})
     assert report.ok, report.problems
     text = "\n".join(report.lines)
@@ -116,7 +155,7 @@ class FakePrefill:
 
             async def __anext__(self):
                 if fake.down:
-                    raise ModelUnavailable("the prefill replica is gone")
+                    raise OpenAIError.unavailable("the prefill replica is gone")
                 if fake.hang:
                     await asyncio.sleep(3600)
                 if self.items is None:
@@ -133,8 +172,9 @@ class FakePrefill:
 
 def front(prefill: FakePrefill, fallback="aggregated"):
     engine = FakeEngineApp()
-    app = ReplicaFront(engine, "m", ["m"], None, lambda: False, "replica-1")
-    app.disaggregated = Disaggregated(prefill, fallback)
+    app = make_front(
+        engine, "m", ["m"], None, lambda: False, "replica-1", disaggregated=Disaggregated(prefill, fallback)
+    )
     return app, engine
 
 
@@ -153,7 +193,9 @@ def test_the_prompt_is_prefilled_then_decoded_with_the_prefills_kv_params():
     r = asyncio.run(call(app, BODY))
     assert r.status_code == 200
     (sent,) = prefill.requests
-    assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["kv_transfer_params"]["do_remote_decode"] is True
+    assert (
+        sent["max_tokens"] == 1 and sent["stream"] is False and sent["kv_transfer_params"]["do_remote_decode"] is True
+    )
     assert "n" not in sent and "logprobs" not in sent and sent["prompt"] == BODY["prompt"]
     (ran,) = engine.bodies
     assert ran == {**BODY, "kv_transfer_params": {"remote": 7}}  # the client's request, plus where its KV is
@@ -205,7 +247,7 @@ def test_a_client_leaving_during_the_prefill_cancels_it():
 
 
 def test_building_the_app_where_the_connector_cannot_run_fails_naming_it():
-    from app.builder import build_app
+    from app.build.builder import build_app
 
     with pytest.raises(ValueError, match=r"model 'm': disaggregation.connector: nixl needs NIXL"):
         build_app({"models": [pd_model(connector="nixl")]})
@@ -214,7 +256,7 @@ def test_building_the_app_where_the_connector_cannot_run_fails_naming_it():
 def test_each_nixl_engine_gets_its_own_side_channel_port_on_the_nodes_address():
     from types import SimpleNamespace
 
-    from deployments.vllm_adapter import _own_kv_side_channel
+    from deployments.engine.app import _own_kv_side_channel
 
     nixl = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="NixlConnector"))
     first, second = {}, {}
@@ -226,6 +268,8 @@ def test_each_nixl_engine_gets_its_own_side_channel_port_on_the_nodes_address():
     _own_kv_side_channel(nixl, given)
     assert given == {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.2"}
     untouched = {}
-    _own_kv_side_channel(SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="ExampleConnector")), untouched)
+    _own_kv_side_channel(
+        SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="ExampleConnector")), untouched
+    )
     _own_kv_side_channel(SimpleNamespace(kv_transfer_config=None), untouched)
     assert untouched == {}

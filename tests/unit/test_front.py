@@ -1,4 +1,4 @@
-"""The replica's front (deployments/front.py) around a fake engine app (`EchoEngineApp`, standing in for vLLM's
+"""The replica's front (deployments/server/front.py) around a fake engine app (`EchoEngineApp`, standing in for vLLM's
 OpenAI app): keys, routes, model check, request ids, error shapes, disconnect passed through. The real engine behind
 it is tested in tests/cpu (test_direct_path.py and the suite on the direct path)."""
 
@@ -11,8 +11,9 @@ import httpx
 import pytest
 from pydantic import BaseModel, model_validator
 
-from deployments.flow import Admission
-from deployments.front import ReplicaFront
+from deployments.pipeline.admission import Admission
+from deployments.server.front import EngineSide, FrontOptions, ReplicaFront
+from deployments.server.models import ModelTable
 
 
 class EchoEngineApp:
@@ -46,15 +47,35 @@ class EchoEngineApp:
             status = payload.get("fail", 200)
             out = {"detail": "engine says no"} if status >= 400 else {"echo": payload, "headers": len(scope["headers"])}
         data = json.dumps(out).encode()
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"),
-                                                                                 (b"x-request-id", b"engine-own")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"engine-own")],
+            }
+        )
         await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-def front(keys=None, dead=False, models=("a", "b")) -> tuple[ReplicaFront, EchoEngineApp]:
+def make_front(engine, model, models, keys, dead, replica_id, cards=None, **options) -> ReplicaFront:
+    """A front as LLMServer builds one, around a fake engine app."""
+    return ReplicaFront(
+        EngineSide(engine, dead, replica_id), ModelTable(model, models, cards), FrontOptions(keys=keys, **options)
+    )
+
+
+def front(keys=None, dead=False, models=("a", "b"), **options) -> tuple[ReplicaFront, EchoEngineApp]:
     engine = EchoEngineApp()
-    return ReplicaFront(engine, "a", list(models), keys, lambda: dead, "replica-1",
-                        {"b": {"id": "b", "object": "model", "owned_by": "summit"}}), engine
+    return make_front(
+        engine,
+        "a",
+        list(models),
+        keys,
+        lambda: dead,
+        "replica-1",
+        {"b": {"id": "b", "object": "model", "owned_by": "summit"}},
+        **options,
+    ), engine
 
 
 async def call(app, method, path, body=None, headers=None):
@@ -65,8 +86,15 @@ async def call(app, method, path, body=None, headers=None):
 
 def test_model_of_this_replica_reaches_the_engine_with_ids_and_without_the_key():
     app, engine = front(keys=[b"k1"])
-    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x"},
-                         {"authorization": "Bearer k1", "x-request-id": "client-7"}))
+    r = asyncio.run(
+        call(
+            app,
+            "POST",
+            "/v1/completions",
+            {"model": "a", "prompt": "x"},
+            {"authorization": "Bearer k1", "x-request-id": "client-7"},
+        )
+    )
     assert r.status_code == 200 and r.json()["echo"]["prompt"] == "x"
     assert "x-request-id" not in r.headers and r.headers["x-summit-replica"] == "replica-1"  # Serve sets it
     sent = engine.seen[0]["headers"]
@@ -76,8 +104,11 @@ def test_model_of_this_replica_reaches_the_engine_with_ids_and_without_the_key()
 
 def test_keys_checked_on_every_route_but_health():
     app, engine = front(keys=[b"k1"])
-    for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", {"model": "a"}),
-                               ("POST", "/tokenize", {"model": "a"})]:
+    for method, path, body in [
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", {"model": "a"}),
+        ("POST", "/tokenize", {"model": "a"}),
+    ]:
         for headers in [{}, {"authorization": "Bearer nope"}]:
             r = asyncio.run(call(app, method, path, body, headers))
             assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError" and "nope" not in r.text
@@ -93,9 +124,13 @@ def test_models_lists_every_model_of_the_application():
 
 def test_bad_requests_get_openai_errors_before_the_engine():
     app, engine = front()
-    cases = [("POST", "/v1/completions", {"model": "zzz"}, 404), ("POST", "/v1/completions", {"prompt": "x"}, 400),
-             ("POST", "/metrics", {"model": "a"}, 404), ("GET", "/v1/completions", None, 405),
-             ("POST", "/v1/completions", {"model": "b"}, 503)]  # b lives on another replica: a stale route
+    cases = [
+        ("POST", "/v1/completions", {"model": "zzz"}, 404),
+        ("POST", "/v1/completions", {"prompt": "x"}, 400),
+        ("POST", "/metrics", {"model": "a"}, 404),
+        ("GET", "/v1/completions", None, 405),
+        ("POST", "/v1/completions", {"model": "b"}, 503),
+    ]  # b lives on another replica: a stale route
     for method, path, body, status in cases:
         r = asyncio.run(call(app, method, path, body))
         assert r.status_code == status and set(r.json()["error"]) >= {"message", "type", "code"}, (path, r.text)
@@ -117,8 +152,10 @@ def test_engine_errors_come_out_openai_shaped_and_a_dead_engine_is_503():
 def test_client_disconnect_reaches_the_engine_app():
     app, engine = front()
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
-    messages = [{"type": "http.request", "body": json.dumps({"model": "a", "wait": True}).encode(), "more_body": False},
-                {"type": "http.disconnect"}]
+    messages = [
+        {"type": "http.request", "body": json.dumps({"model": "a", "wait": True}).encode(), "more_body": False},
+        {"type": "http.disconnect"},
+    ]
 
     async def receive():
         return messages.pop(0)
@@ -150,47 +187,60 @@ class FakeReplicaStream:
 
 
 def test_another_models_request_goes_on_to_its_replica_once():
-    from deployments.protocol import ResponseStart
+    from deployments.http.protocol import ResponseStart
 
     sent = []
 
     def forward(request):
         sent.append(request)
-        return FakeReplicaStream([ResponseStart(200, [(b"content-type", b"text/event-stream"),
-                                                      (b"x-summit-replica", b"replica-b")]), b"data: 1\n\n", b"data: 2\n\n"])
+        return FakeReplicaStream(
+            [
+                ResponseStart(200, [(b"content-type", b"text/event-stream"), (b"x-summit-replica", b"replica-b")]),
+                b"data: 1\n\n",
+                b"data: 2\n\n",
+            ]
+        )
 
     engine = EchoEngineApp()
-    app = ReplicaFront(engine, "a", ["a", "b"], [b"k"], lambda: False, "replica-a", forward=forward)
-    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "b", "prompt": "x", "stream": True},
-                         {"authorization": "Bearer k"}))
+    app = make_front(engine, "a", ["a", "b"], [b"k"], lambda: False, "replica-a", forward=forward)
+    r = asyncio.run(
+        call(
+            app, "POST", "/v1/completions", {"model": "b", "prompt": "x", "stream": True}, {"authorization": "Bearer k"}
+        )
+    )
     assert r.status_code == 200 and r.text == "data: 1\n\ndata: 2\n\n" and r.headers["x-summit-replica"] == "replica-b"
     (request,) = sent
     assert request.model == "b" and json.loads(request.body)["prompt"] == "x" and engine.seen == []
     assert request.header(b"authorization") is None and request.header(b"x-summit-forwarded") == b"1"
     # a request forwarded once that still meets the wrong model is not sent on again
-    r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "b"}, {"authorization": "Bearer k",
-                                                                       "x-summit-forwarded": "1"}))
+    r = asyncio.run(
+        call(app, "POST", "/v1/completions", {"model": "b"}, {"authorization": "Bearer k", "x-summit-forwarded": "1"})
+    )
     assert r.status_code == 503 and len(sent) == 1
 
 
 class StreamingEngineApp:
-    """A fake engine app streaming SSE: `n` chunks, `gap_s` apart."""
+    """A fake engine app streaming SSE: `n` chunks back to back, except that after chunk `hold_at` it waits until the
+    front has written two bodies (the first chunk, then what its coalescing window gathered)."""
 
-    def __init__(self, n: int, gap_s: float):
-        self.n, self.gap_s = n, gap_s
+    def __init__(self, n: int, hold_at: int | None = None):
+        self.n, self.hold_at = n, hold_at
+        self.flushed = asyncio.Event()
 
     async def __call__(self, scope, receive, send):
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(self.n):
             await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
-            await asyncio.sleep(self.gap_s)
+            if i == self.hold_at:
+                await asyncio.wait_for(self.flushed.wait(), 60)  # the window's timer wrote what it held
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 @pytest.mark.parametrize("coalesce_s", [0.0, 0.05])
 def test_stream_chunks_after_the_first_are_coalesced_in_order(coalesce_s):
-    app = ReplicaFront(StreamingEngineApp(40, 0.002), "a", ["a"], None, lambda: False, "r", coalesce_s=coalesce_s)
+    engine = StreamingEngineApp(40, hold_at=19 if coalesce_s else None)
+    app = make_front(engine, "a", ["a"], None, lambda: False, "r", coalesce_s=coalesce_s)
     messages = []
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
     request = [{"type": "http.request", "body": b'{"model": "a", "stream": true}', "more_body": False}]
@@ -200,15 +250,19 @@ def test_stream_chunks_after_the_first_are_coalesced_in_order(coalesce_s):
 
     async def send(message):
         messages.append(message)
+        if sum(m["type"] == "http.response.body" for m in messages) == 2:
+            engine.flushed.set()
 
     asyncio.run(app(scope, receive, send))
-    bodies = [m for m in messages if m["type"] == "http.response.body"]
-    assert b"".join(m["body"] for m in bodies) == b"".join(f"data: {i}\n\n".encode() for i in range(40)) + b"data: [DONE]\n\n"
-    assert bodies[0]["body"] == b"data: 0\n\n" and not bodies[-1]["more_body"] and all(m["more_body"] for m in bodies[:-1])
+    bodies = [m["body"] for m in messages if m["type"] == "http.response.body"]
+    chunks = [f"data: {i}\n\n".encode() for i in range(40)] + [b"data: [DONE]\n\n"]
+    more = [m["more_body"] for m in messages if m["type"] == "http.response.body"]
+    assert more == [True] * (len(more) - 1) + [False]
     if coalesce_s:
-        assert len(bodies) < 20  # ~100 ms of chunks in 50 ms windows
+        # the first chunk alone; chunks 1-19 in the window the engine waited out; 20-39 and the end in one write
+        assert bodies == [chunks[0], b"".join(chunks[1:20]), b"".join(chunks[20:])]
     else:
-        assert len(bodies) == 41
+        assert bodies == chunks  # no window: one write per chunk
 
 
 def test_an_engine_that_dies_under_a_request_answers_503():
@@ -218,10 +272,14 @@ def test_an_engine_that_dies_under_a_request_answers_503():
         async def __call__(self, scope, receive, send):
             await receive()
             dead["now"] = True  # vLLM answers 500 "EngineCore encountered an issue" once its core is gone
-            await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": b'{"error": {"message": "EngineCore encountered an issue"}}'})
+            await send(
+                {"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]}
+            )
+            await send(
+                {"type": "http.response.body", "body": b'{"error": {"message": "EngineCore encountered an issue"}}'}
+            )
 
-    app = ReplicaFront(DyingEngineApp(), "a", ["a"], None, lambda: dead["now"], "r")
+    app = make_front(DyingEngineApp(), "a", ["a"], None, lambda: dead["now"], "r")
     r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a"}))
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "ServiceUnavailableError" and "replaced" in r.json()["error"]["message"]
@@ -230,9 +288,10 @@ def test_an_engine_that_dies_under_a_request_answers_503():
 def test_admission_runs_ongoing_queues_queued_and_rejects_the_rest_openai_shaped():
     """The direct path's bound (Serve's own rejection there is plain text): 2 run, 1 waits, the 4th and 5th are
     answered 429 + Retry-After at once; when the engine answers, the waiting one runs and all admitted complete."""
+
     async def scenario():
         app, engine = front()
-        app.admission = Admission(ongoing=2, queued=1, status=429, retry_after_s=1.5)
+        app.options.admission = Admission(ongoing=2, queued=1, status=429, retry_after_s=1.5)
         body = {"model": "a", "prompt": "x", "hold": True}
         admitted = [asyncio.create_task(call(app, "POST", "/v1/completions", body)) for _ in range(3)]
         while engine.running < 2:
@@ -257,7 +316,7 @@ def test_admission_runs_ongoing_queues_queued_and_rejects_the_rest_openai_shaped
 def test_a_client_that_leaves_while_queued_frees_its_place():
     async def scenario():
         app, engine = front()
-        app.admission = Admission(ongoing=1, queued=1, status=503, retry_after_s=1)
+        app.options.admission = Admission(ongoing=1, queued=1, status=503, retry_after_s=1)
         body = {"model": "a", "prompt": "x", "hold": True}
         first = asyncio.create_task(call(app, "POST", "/v1/completions", body))
         while engine.running < 1:
@@ -315,7 +374,7 @@ def _validating_engine_app():
 
 def test_a_body_that_crashes_vllms_validator_is_400_not_500():
     engine = _validating_engine_app()
-    app = ReplicaFront(engine, "a", ["a"], None, lambda: False, "replica-1", {})
+    app = make_front(engine, "a", ["a"], None, lambda: False, "replica-1", {})
     bad = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x", "structured_outputs": 1.5}))
     assert bad.status_code == 400 and "not a valid /v1/completions request" in bad.json()["error"]["message"], bad.text
     broken = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x", "fail": True}))
@@ -324,13 +383,14 @@ def test_a_body_that_crashes_vllms_validator_is_400_not_500():
 
 
 def test_a_body_over_the_limit_is_413_unread_and_openapi_json_is_served():
-    from deployments.front import MAX_REQUEST_BYTES
+    from deployments.pipeline.entry import MAX_REQUEST_BYTES
 
     engine = _validating_engine_app()
-    app = ReplicaFront(engine, "a", ["a"], None, lambda: False, "replica-1", {})
+    app = make_front(engine, "a", ["a"], None, lambda: False, "replica-1", {})
     r = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x" * MAX_REQUEST_BYTES}))
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
     doc = asyncio.run(call(app, "GET", "/openapi.json")).json()
     assert doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/_Completion"}
+        "$ref": "#/components/schemas/_Completion"
+    }
     assert "/v1/files" not in doc["paths"] and "/health" in doc["paths"]

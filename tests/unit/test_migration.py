@@ -1,6 +1,6 @@
-"""Stream migration (deployments/migration.py) on chunks as vLLM 0.32 writes them (captured from the tiny model), and
-through the replica front with a fake engine app that dies mid-stream (`DyingEngineApp`) and a fake Serve stream
-for the continuation. The real engines are in tests/cpu/test_migration.py."""
+"""Stream migration (deployments/pipeline/migration.py) on chunks as vLLM 0.32 writes them (captured from the tiny
+model), and through the replica front with a fake engine app that dies mid-stream (`DyingEngineApp`) and a fake Serve
+stream for the continuation. The real engines are in tests/cpu/test_migration.py."""
 
 from __future__ import annotations
 
@@ -10,27 +10,42 @@ import json
 import httpx
 import pytest
 
-from deployments.front import ReplicaFront
-from deployments.migration import Resumable, resumable
-from deployments.protocol import ResponseStart
-from tests.unit.test_front import FakeReplicaStream
+from deployments.http.protocol import ResponseStart
+from deployments.pipeline.migration import resumable
+from deployments.pipeline.resumable import Resumable
+from deployments.server.front import ReplicaFront
+from tests.unit.test_front import FakeReplicaStream, make_front
 
 HEAD = '{"id":"cmpl-1","object":"text_completion","created":17,"model":"m","choices":[{"index":0,'
-ERROR = b'data: {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError", "code": 500}}\n\n'
+ERROR = (
+    b'data: {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError", "code": 500}}\n\n'
+)
 
 
-def completion_chunk(text: str, token: int, prompt: list[int] | None = None, with_ids: bool = True,
-                     head: str = HEAD, finish: str | None = None) -> bytes:
+def completion_chunk(
+    text: str,
+    token: int,
+    prompt: list[int] | None = None,
+    with_ids: bool = True,
+    head: str = HEAD,
+    finish: str | None = None,
+) -> bytes:
     prompt_ids = json.dumps(prompt, separators=(",", ":")) if (prompt and with_ids) else "null"
     ids = f"[{token}]" if with_ids else "null"
     fin = json.dumps(finish)
-    return (f'data: {head}"text":{json.dumps(text)},"logprobs":null,"finish_reason":{fin},"stop_reason":null,'
-            f'"prompt_token_ids":{prompt_ids},"token_ids":{ids}}}]}}\n\n').encode()
+    return (
+        f'data: {head}"text":{json.dumps(text)},"logprobs":null,"finish_reason":{fin},"stop_reason":null,'
+        f'"prompt_token_ids":{prompt_ids},"token_ids":{ids}}}]}}\n\n'
+    ).encode()
 
 
-def usage_chunk(prompt: int, completion: int, head: str = '{"id":"cmpl-9","object":"text_completion","created":99,"model":"m",') -> bytes:
-    return (f'data: {head}"choices":[],"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
-            f'"completion_tokens":{completion}}},"system_fingerprint":"vllm"}}\n\n').encode()
+def usage_chunk(
+    prompt: int, completion: int, head: str = '{"id":"cmpl-9","object":"text_completion","created":99,"model":"m",'
+) -> bytes:
+    return (
+        f'data: {head}"choices":[],"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
+        f'"completion_tokens":{completion}}},"system_fingerprint":"vllm"}}\n\n'
+    ).encode()
 
 
 def test_what_can_be_resumed():
@@ -41,9 +56,17 @@ def test_what_can_be_resumed():
     assert resumable("/v1/completions", {**ok, "temperature": 0.7}, "greedy") == "not temperature 0"
     assert resumable("/v1/completions", {**ok, "temperature": 0.7}, "all") is None
     assert resumable("/v1/completions", ok, "off")
-    for change in ({"stream": False}, {"n": 2}, {"logprobs": 1}, {"echo": True}, {"prompt": ["a", "b"]},
-                   {"presence_penalty": 0.5}, {"stream_options": {"continuous_usage_stats": True}},
-                   {"response_format": {"type": "json_object"}}, {"kv_transfer_params": {"x": 1}}):
+    for change in (
+        {"stream": False},
+        {"n": 2},
+        {"logprobs": 1},
+        {"echo": True},
+        {"prompt": ["a", "b"]},
+        {"presence_penalty": 0.5},
+        {"stream_options": {"continuous_usage_stats": True}},
+        {"response_format": {"type": "json_object"}},
+        {"kv_transfer_params": {"x": 1}},
+    ):
         assert resumable("/v1/completions", {**ok, **change}, "greedy"), change
     assert resumable("/v1/chat/completions", {**ok, "tools": [{"type": "function"}]}, "greedy")
     assert resumable("/v1/chat/completions", ok, "greedy", chat_parsers=True)
@@ -73,44 +96,93 @@ def test_an_error_event_and_what_follows_are_held_back():
     body = json.loads(request.body)
     assert request.path == "/v1/completions" and request.model == "m"
     assert body["prompt"] == [1, 2, 3, 5, 6] and body["max_tokens"] == 8 and body["stream"] is True
-    assert request.header(b"x-request-id").startswith(b"req-1-m1-") and request.header(b"x-summit-avoid-replica") is None
+    assert (
+        request.header(b"x-request-id").startswith(b"req-1-m1-") and request.header(b"x-summit-avoid-replica") is None
+    )
     away = Resumable("/v1/completions", {"prompt": "x", "max_tokens": 10}, "m", b"req-2", avoid_replica=b"rep-dead")
     away.outgoing(completion_chunk(" a", 5, prompt=[1]))
     assert away.continuation().header(b"x-summit-avoid-replica") == b"rep-dead"  # Summit's routers skip it
 
 
 def test_a_chat_stream_goes_on_as_chat_chunks_with_usage_over_the_whole_stream():
-    payload = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 6, "temperature": 0,
-               "stream": True, "stream_options": {"include_usage": True}, "top_k": 3}
+    payload = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "top_k": 3,
+    }
     r = Resumable("/v1/chat/completions", payload, "m", b"req-1")
-    first = (b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
-             b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
-             b'"prompt_token_ids":[9,9,9,9],"prompt_text":null}\n\n')
-    token = (b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
-             b'"delta":{"content":" in"},"logprobs":null,"finish_reason":null,"token_ids":[%d]}]}\n\n')
+    first = (
+        b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+        b'"prompt_token_ids":[9,9,9,9],"prompt_text":null}\n\n'
+    )
+    token = (
+        b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+        b'"delta":{"content":" in"},"logprobs":null,"finish_reason":null,"token_ids":[%d]}]}\n\n'
+    )
     assert r.outgoing(first) == first.replace(b"[9,9,9,9]", b"null")
     assert r.outgoing(token % 4) == token.replace(b"[%d]", b"null")
     assert r.outgoing(ERROR) == b"" and r.failed
     body = json.loads(r.continuation().body)
-    assert body == {"temperature": 0, "top_k": 3, "stream_options": {"include_usage": True}, "max_tokens": 5,
-                    "model": "m", "prompt": [9, 9, 9, 9, 4], "stream": True, "return_token_ids": True}
-    cont = completion_chunk("ch", 8, prompt=[9, 9, 9, 9, 4], head='{"id":"cmpl-x","object":"text_completion","created":99,"model":"m","choices":[{"index":0,')
+    assert body == {
+        "temperature": 0,
+        "top_k": 3,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 5,
+        "model": "m",
+        "prompt": [9, 9, 9, 9, 4],
+        "stream": True,
+        "return_token_ids": True,
+    }
+    cont = completion_chunk(
+        "ch",
+        8,
+        prompt=[9, 9, 9, 9, 4],
+        head='{"id":"cmpl-x","object":"text_completion","created":99,"model":"m","choices":[{"index":0,',
+    )
     chat = json.loads(r.rewrite(cont.rstrip(b"\n"))[6:])
-    assert chat == {"id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 5, "model": "m",
-                    "choices": [{"index": 0, "delta": {"content": "ch"}, "logprobs": None, "finish_reason": None,
-                                 "token_ids": None}]}
-    last = completion_chunk("!", 3, head='{"id":"cmpl-x","object":"text_completion","created":99,"model":"m","choices":[{"index":0,', finish="length")
+    assert chat == {
+        "id": "chatcmpl-7",
+        "object": "chat.completion.chunk",
+        "created": 5,
+        "model": "m",
+        "choices": [
+            {"index": 0, "delta": {"content": "ch"}, "logprobs": None, "finish_reason": None, "token_ids": None}
+        ],
+    }
+    last = completion_chunk(
+        "!",
+        3,
+        head='{"id":"cmpl-x","object":"text_completion","created":99,"model":"m","choices":[{"index":0,',
+        finish="length",
+    )
     assert json.loads(r.rewrite(last.rstrip(b"\n"))[6:])["choices"][0]["finish_reason"] == "length"
     usage = json.loads(r.rewrite(usage_chunk(5, 2).rstrip(b"\n"))[6:])
-    assert usage["id"] == "chatcmpl-7" and usage["usage"] == {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3}
+    assert usage["id"] == "chatcmpl-7" and usage["usage"] == {
+        "prompt_tokens": 4,
+        "total_tokens": 7,
+        "completion_tokens": 3,
+    }
     assert r.generated == [4, 8, 3]
 
 
 def test_nothing_to_go_on_from():
+    chat = Resumable("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "m", b"req-0")
+    assert chat.continuation() is None  # a chat stream before its first output: its templated prompt is not known
     r = Resumable("/v1/completions", {"prompt": "x", "max_tokens": 1}, "m", b"req-1")
-    assert r.continuation() is None  # no prompt ids seen
     r.outgoing(completion_chunk(" a", 5, prompt=[1]))
     assert r.continuation() is None  # all of max_tokens generated
+
+
+def test_a_completion_whose_engine_died_before_its_first_output_starts_over_from_its_prompt():
+    payload = {"prompt": "Down the valley", "max_tokens": 8, "temperature": 0, "stream": True}
+    r = Resumable("/v1/completions", payload, "m", b"req-2")
+    body = json.loads(r.continuation().body)
+    assert body["prompt"] == "Down the valley" and body["max_tokens"] == 8 and body["return_token_ids"] is True
+    assert body["temperature"] == 0 and body["model"] == "m"
 
 
 class DyingEngineApp:
@@ -122,11 +194,21 @@ class DyingEngineApp:
 
     async def __call__(self, scope, receive, send):
         self.bodies.append(json.loads((await receive())["body"]))
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
         for i in range(self.tokens):
-            await send({"type": "http.response.body", "body": completion_chunk(f" t{i}", 100 + i, prompt=[1, 2] if i == 0 else None),
-                        "more_body": True})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": completion_chunk(f" t{i}", 100 + i, prompt=[1, 2] if i == 0 else None),
+                    "more_body": True,
+                }
+            )
         if self.dies:
             self.dead = True
             await send({"type": "http.response.body", "body": ERROR, "more_body": True})
@@ -134,14 +216,15 @@ class DyingEngineApp:
 
 
 def dying_front(engine: DyingEngineApp, continuations: list) -> tuple[ReplicaFront, list]:
-    app = ReplicaFront(engine, "m", ["m"], None, lambda: engine.dead, "replica-1")
-    app.migration, sent = "greedy", []
+    sent = []
 
     def resume_to(request):
         sent.append(json.loads(request.body))
         return continuations.pop(0)
 
-    app.resume_to = resume_to
+    app = make_front(
+        engine, "m", ["m"], None, lambda: engine.dead, "replica-1", migration="greedy", resume_to=resume_to
+    )
     return app, sent
 
 
@@ -155,8 +238,13 @@ def test_the_front_resumes_a_stream_whose_engine_died_on_another_replica():
     engine = DyingEngineApp(tokens=3)
     other = '{"id":"cmpl-other","object":"text_completion","created":99,"model":"m","choices":[{"index":0,'
     refused = FakeReplicaStream([ResponseStart(503, []), b'{"error": {"message": "dead engine"}}'])
-    taken = FakeReplicaStream([ResponseStart(200, []), completion_chunk(" t3", 103, prompt=[1, 2, 100, 101, 102], head=other),
-                               completion_chunk(" t4", 104, head=other, finish="length") + b"data: [DONE]\n\n"])
+    taken = FakeReplicaStream(
+        [
+            ResponseStart(200, []),
+            completion_chunk(" t3", 103, prompt=[1, 2, 100, 101, 102], head=other),
+            completion_chunk(" t4", 104, head=other, finish="length") + b"data: [DONE]\n\n",
+        ]
+    )
     app, sent = dying_front(engine, [refused, taken])
     r = asyncio.run(post(app, {"model": "m", "prompt": "x", "max_tokens": 5, "temperature": 0, "stream": True}))
     events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
@@ -190,9 +278,10 @@ def test_an_error_event_from_a_live_engine_reaches_the_client():
                 if message.get("body") == b"data: [DONE]\n\n":
                     await send({"type": "http.response.body", "body": ERROR, "more_body": True})
                 await send(message)
+
             await original(scope, receive, send_with_error)
 
-        app._app = erroring
+        app.engine.app = erroring
         return await post(app, {"model": "m", "prompt": "x", "max_tokens": 5, "temperature": 0, "stream": True})
 
     r = asyncio.run(run())
@@ -201,13 +290,15 @@ def test_an_error_event_from_a_live_engine_reaches_the_client():
 
 def test_vllms_detokenizer_brought_to_the_cut_writes_what_the_whole_stream_would(tmp_path):
     """The installed vLLM's detokenizer over the tiny model's tokenizer (byte tokens: characters split across tokens):
-    text up to a cut + text from the cut (primed with the tokens before it) == the uncut stream's text, for every cut."""
+    text up to a cut + text from the cut (primed with the tokens before it) == the uncut stream's text, for every
+    cut."""
     import random
     from types import SimpleNamespace
 
-    from app.tiny_model import make_tiny_model
-    from deployments.vllm_adapter import output_detokenizer
     from vllm.tokenizers import get_tokenizer
+
+    from app.clusters.tiny_model import make_tiny_model
+    from deployments.engine import output_detokenizer
 
     engine = SimpleNamespace(tokenizer=get_tokenizer(str(make_tiny_model(tmp_path / "m"))))
     rng = random.Random(3)

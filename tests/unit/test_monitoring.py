@@ -8,12 +8,12 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from app import routing
 from app.config import SummitConfig
-from app.monitoring import MonitoringOptions, TracingOptions
-from deployments.observe import ARRIVAL_HEADER, RequestWatch, arrival_s
-from deployments.routers import _PrefixAffinity, _SessionAffinity
-from deployments.tracing import DECISION_HEADER, Tracing, decision_value, parse_decision
+from app.config.monitoring import MonitoringOptions, TracingOptions
+from deployments.observability.tracing import DECISION_HEADER, Tracing, decision_value, parse_decision
+from deployments.observability.watch import ARRIVAL_HEADER, RequestWatch, arrival_s
+from deployments.routing import policies as routing
+from deployments.routing.routers import _PrefixAffinity, _SessionAffinity
 
 TRACE, CLIENT_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
@@ -29,8 +29,13 @@ def test_monitoring_defaults_metrics_on_traces_off_and_names_the_missing_endpoin
 
 def test_the_decision_header_round_trips_and_bad_values_are_ignored():
     value = decision_value("prefix_affinity", "hit", "abc", 10.5, 10.75)
-    assert parse_decision(value.encode()) == {"policy": "prefix_affinity", "outcome": "hit", "replica": "abc",
-                                              "start_s": 10.5, "end_s": 10.75}
+    assert parse_decision(value.encode()) == {
+        "policy": "prefix_affinity",
+        "outcome": "hit",
+        "replica": "abc",
+        "start_s": 10.5,
+        "end_s": 10.75,
+    }
     for bad in (None, b"", b"a;b", b"a;b;c;x;y", b"\xff\xfe"):
         assert parse_decision(bad) is None
 
@@ -48,8 +53,11 @@ def test_arrival_is_the_earliest_trusted_time_within_bounds():
 
 def test_a_request_is_one_trace_under_the_clients_span():
     tracing = Tracing(TracingOptions(exporter="memory"))
-    headers = [(b"traceparent", f"00-{TRACE}-{CLIENT_SPAN}-01".encode()), (b"x-request-id", b"req-1"),
-               (DECISION_HEADER, b"prefix_affinity;new;r1;1.0;1.001")]
+    headers = [
+        (b"traceparent", f"00-{TRACE}-{CLIENT_SPAN}-01".encode()),
+        (b"x-request-id", b"req-1"),
+        (DECISION_HEADER, b"prefix_affinity;new;r1;1.0;1.001"),
+    ]
     watch = RequestWatch(None, tracing, {"path": "/v1/completions"}, headers, "r1", "m", internal=False)
     watch.span("summit.queue", 1, 2)
     watch.engine_received()
@@ -59,7 +67,13 @@ def test_a_request_is_one_trace_under_the_clients_span():
     watch.end()
     watch.end(aborted=True)  # a second end changes nothing
     spans = {s["name"]: s for s in tracing.recent_spans(TRACE)}
-    assert set(spans) == {"summit.request", "summit.route", "summit.queue", "summit.engine.prefill", "summit.engine.decode"}
+    assert set(spans) == {
+        "summit.request",
+        "summit.route",
+        "summit.queue",
+        "summit.engine.prefill",
+        "summit.engine.decode",
+    }
     root = spans["summit.request"]
     assert root["parent_id"] == CLIENT_SPAN and root["events"] == ["summit.end"]
     assert out == [(b"traceparent", f"00-{TRACE}-{root['span_id']}-01".encode())]

@@ -6,7 +6,13 @@ import sys
 
 import pytest
 
-from app.placement import PlacementPlan, placement_deployment_options, plan_placement, split_tp_groups, unplaceable
+from app.build.placement import (
+    PlacementPlan,
+    placement_deployment_options,
+    plan_placement,
+    split_tp_groups,
+    unplaceable,
+)
 
 GPU_WORKER = {"GPU": 1.0, "CPU": 1.0}
 
@@ -14,7 +20,9 @@ GPU_WORKER = {"GPU": 1.0, "CPU": 1.0}
 def test_module_is_pure():
     import subprocess
 
-    code = "import sys, app.placement; assert not {'ray', 'vllm', 'torch'} & set(sys.modules), sorted(sys.modules)"
+    code = (
+        "import sys, app.build.placement; assert not {'ray', 'vllm', 'torch'} & set(sys.modules), sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -58,8 +66,10 @@ def test_tp4_pp4_on_8_gpu_nodes_keeps_each_tp_group_inside_a_node():
 def test_cpu_is_one_bundle_with_the_actor_cpus():
     plan = plan_placement(2, 1, "cpu", num_cpus=0.5)
     assert plan.bundles == ({"CPU": 0.5},) and plan.strategy == "STRICT_PACK"
-    assert placement_deployment_options(plan) == {"placement_group_bundles": [{"CPU": 0.5}],
-                                                  "placement_group_strategy": "STRICT_PACK"}
+    assert placement_deployment_options(plan) == {
+        "placement_group_bundles": [{"CPU": 0.5}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
     with pytest.raises(ValueError, match=r"deployment.num_cpus must be > 0"):
         plan_placement(1, 1, "cpu", num_cpus=0)
 
@@ -72,7 +82,9 @@ def test_tp_that_does_not_tile_the_nodes_is_refused_with_the_fix():
 
 
 def test_tp_larger_than_a_node_is_refused_unless_allowed():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=16 is larger than gpus_per_node=8.*pipeline_parallel_size"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=16 is larger than gpus_per_node=8.*pipeline_parallel_size"
+    ):
         plan_placement(16, 1, "gpu", gpus_per_node=8)
     plan = plan_placement(16, 1, "gpu", gpus_per_node=8, allow_cross_node_tp=True)
     assert plan.strategy == "PACK" and plan.expected_nodes == (0,) * 8 + (1,) * 8
@@ -83,12 +95,15 @@ def test_tp3_fits_one_node_when_the_replica_does():
     assert plan_placement(3, 2, "gpu", gpus_per_node=8).strategy == "STRICT_PACK"
 
 
-@pytest.mark.parametrize(("tp", "pp", "gpn", "key"), [
-    (0, 1, 8, "tensor_parallel_size=0"),
-    (1, 0, 8, "pipeline_parallel_size=0"),
-    (1, 1, 0, "gpus_per_node=0"),
-    (-2, 1, 8, "tensor_parallel_size=-2"),
-])
+@pytest.mark.parametrize(
+    ("tp", "pp", "gpn", "key"),
+    [
+        (0, 1, 8, "tensor_parallel_size=0"),
+        (1, 0, 8, "pipeline_parallel_size=0"),
+        (1, 1, 0, "gpus_per_node=0"),
+        (-2, 1, 8, "tensor_parallel_size=-2"),
+    ],
+)
 def test_zero_or_negative_sizes_name_the_key(tp, pp, gpn, key):
     with pytest.raises(ValueError, match=key):
         plan_placement(tp, pp, "gpu", gpus_per_node=gpn)

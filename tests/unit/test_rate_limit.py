@@ -1,6 +1,6 @@
-"""Per-key rate limits (deployments/rate_limit.py): the buckets on a fake clock, what a request is charged, and the
-front's answer with a fake limiter handle (`FakeLimiter`, standing in for the RateLimiter deployment's handle). The
-real deployment is tested in tests/cpu/test_haproxy.py."""
+"""Per-key rate limits (deployments/pipeline/rate_limit.py): the buckets on a fake clock, what a request is charged,
+and the front's answer with a fake limiter handle (`FakeLimiter`, standing in for the RateLimiter deployment's handle).
+The real deployment is tested in tests/cpu/test_haproxy.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.config import AuthOptions
-from deployments.rate_limit import Buckets, Limits, RateLimiter, token_charge
+from deployments.pipeline.rate_limit import Buckets, Limits, RateLimiter, token_charge
 from tests.unit.test_front import front
 
 
@@ -53,8 +53,13 @@ def test_what_a_request_is_charged():
     assert token_charge("/v1/completions", {"prompt": "x" * 40, "max_tokens": 10}, 1024) == 20
     assert token_charge("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "n": 3}, 1024) == 9
     assert token_charge("/v1/completions", {"prompt": ["abcd", "abcdefgh"]}, 100) == 103
-    chat = {"messages": [{"role": "user", "content": "abcdefgh"},
-                         {"role": "user", "content": [{"type": "text", "text": "abcd"}]}], "max_completion_tokens": 5}
+    chat = {
+        "messages": [
+            {"role": "user", "content": "abcdefgh"},
+            {"role": "user", "content": [{"type": "text", "text": "abcd"}]},
+        ],
+        "max_completion_tokens": 5,
+    }
     assert token_charge("/v1/chat/completions", chat, 1024) == 8
     assert token_charge("/v1/chat/completions", {"messages": [], "max_tokens": "x"}, 7) == 7
     assert token_charge("/tokenize", {"prompt": "abcdefgh", "max_tokens": 99}, 1024) == 2
@@ -85,14 +90,14 @@ class FakeLimiter:
 async def post(app, key):
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
-        return await client.post("/v1/completions", json={"model": "a", "prompt": "x"},
-                                 headers={"authorization": f"Bearer {key}"})
+        return await client.post(
+            "/v1/completions", json={"model": "a", "prompt": "x"}, headers={"authorization": f"Bearer {key}"}
+        )
 
 
 def test_the_front_answers_429_with_retry_after_per_key_and_serves_when_the_limiter_is_down():
-    app, engine = front(keys=[b"k1", b"k2"])
     limiter = FakeLimiter(rpm=2)
-    app.limits = Limits(limiter, 16)
+    app, engine = front(keys=[b"k1", b"k2"], limits=Limits(limiter, 16))
 
     async def run():
         return [await post(app, key) for key in ("k1", "k1", "k1", "k2")]

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from app.builder import request_path
+from app.build.builder import request_path
+from app.build.options import FRONT_BOUNDS_ONGOING, engine_pool_options, pool_problem
 from app.config import SummitConfig
-from app.deployment_options import FRONT_BOUNDS_ONGOING, engine_pool_options, pool_model_index, pool_problem
-from deployments.route_picker import body_model
+from deployments.routing.picker import body_model
+from deployments.server.pool import pool_model_index
 
 
 def config(*models: dict, path: str = "auto") -> SummitConfig:
-    return SummitConfig.model_validate({
-        "ingress": {"path": path},
-        "models": [{"source": "/models/m", "accelerator": "cpu", "deployment": {"num_cpus": 0.5}, **m} for m in models]})
+    return SummitConfig.model_validate(
+        {
+            "ingress": {"path": path},
+            "models": [
+                {"source": "/models/m", "accelerator": "cpu", "deployment": {"num_cpus": 0.5}, **m} for m in models
+            ],
+        }
+    )
 
 
 def test_one_model_goes_direct_behind_haproxy_and_hops_without():
@@ -25,14 +31,20 @@ def test_one_model_goes_direct_behind_haproxy_and_hops_without():
 
 def test_models_with_their_own_routing_policies_share_one_direct_deployment():
     """Routing is per model in a shared deployment (ModelPolicyRouter); the engines' own settings may differ too."""
-    two = config({"name": "p", "routing": {"policy": "prefix_affinity", "imbalance": 4},
-                  "engine_kwargs": {"max_model_len": 8192}},
-                 {"name": "s", "routing": {"policy": "session_affinity"}, "source": "/models/other"})
+    two = config(
+        {
+            "name": "p",
+            "routing": {"policy": "prefix_affinity", "imbalance": 4},
+            "engine_kwargs": {"max_model_len": 8192},
+        },
+        {"name": "s", "routing": {"policy": "session_affinity"}, "source": "/models/other"},
+    )
     assert request_path(two, haproxy=True)[0] == "direct"
     router = engine_pool_options(two.models)["request_router_config"]
     assert router["request_router_kwargs"]["policies"] == {
         "p": {"policy": "prefix_affinity", "prefix_chars": 1024, "imbalance": 4, "max_tracked": 100000},
-        "s": {"policy": "session_affinity", "max_tracked": 100000}}
+        "s": {"policy": "session_affinity", "max_tracked": 100000},
+    }
 
 
 def test_models_of_one_shape_share_one_direct_deployment():
@@ -44,10 +56,16 @@ def test_models_of_one_shape_share_one_direct_deployment():
     assert [pool_model_index(rank, [2, 1]) for rank in range(4)] == [0, 0, 1, 0]
 
 
-@pytest.mark.parametrize("b, named", [
-    ({"deployment": {"num_cpus": 1.0}}, "ray_actor_options"),
-    ({"deployment": {"num_cpus": 0.5, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}}, "autoscaling"),
-])
+@pytest.mark.parametrize(
+    "b, named",
+    [
+        ({"deployment": {"num_cpus": 1.0}}, "ray_actor_options"),
+        (
+            {"deployment": {"num_cpus": 0.5, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}},
+            "autoscaling",
+        ),
+    ],
+)
 def test_models_of_different_shapes_fall_back_to_hops_saying_why(b, named):
     different = config({"name": "a"}, {"name": "b", **b})
     assert named in pool_problem(different.models)
@@ -60,13 +78,18 @@ def test_models_of_different_shapes_fall_back_to_hops_saying_why(b, named):
 def test_route_picker_reads_the_model_of_a_whole_body_only():
     assert body_model(b'{"model": "a", "prompt": "x"}') == "a"
     assert body_model(b'{"model": "a", "prompt": "x') is None  # cut at HAProxy's buffer: no guess
-    assert body_model(b'[1]') is None and body_model(b'{"model": 3}') is None
+    assert body_model(b"[1]") is None and body_model(b'{"model": 3}') is None
 
 
 def test_a_bounded_queue_on_the_direct_path_is_the_fronts():
     """Serve passes every request on (its own rejection is plain text); the replica's front bounds them."""
-    one = config({"name": "a", "engine_kwargs": {"max_num_seqs": 4},
-                  "deployment": {"num_cpus": 0.5, "max_queued_requests": 3, "overload_status_code": 429}})
+    one = config(
+        {
+            "name": "a",
+            "engine_kwargs": {"max_num_seqs": 4},
+            "deployment": {"num_cpus": 0.5, "max_queued_requests": 3, "overload_status_code": 429},
+        }
+    )
     options = engine_pool_options(one.models)
     assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (FRONT_BOUNDS_ONGOING, -1)
     unbounded = engine_pool_options(config({"name": "a", "engine_kwargs": {"max_num_seqs": 4}}).models)

@@ -1,4 +1,4 @@
-"""The Serve request routers (deployments/routers.py), driven through Serve's own selection path without Ray.
+"""The Serve request routers (deployments/routing/routers.py), driven through Serve's own selection path without Ray.
 
 The routers are built the way Serve builds them (constructor, `initialize_state`, `update_replicas`) with
 fake replicas that answer queue-length probes; requests go through `_choose_replica_for_request`, the
@@ -13,12 +13,17 @@ import uuid
 
 import pytest
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from deployments.protocol import HTTPRequest
-from deployments.routers import ModelPolicyRouter, PrefixAffinityRouter, SessionAffinityRouter, request_router_options
+from deployments.http.protocol import HTTPRequest
+from deployments.routing.routers import (
+    ModelPolicyRouter,
+    PrefixAffinityRouter,
+    SessionAffinityRouter,
+    request_router_options,
+)
 
 DEPLOYMENT = DeploymentID(name="LLMServer:fake", app_name="summit")
 
@@ -26,19 +31,24 @@ DEPLOYMENT = DeploymentID(name="LLMServer:fake", app_name="summit")
 class FakeReplica:
     """What a router reads from Serve's RunningReplica, with a settable queue length."""
 
-    def __init__(self, unique_id: str, queue_len: int = 0, answer_after_s: float = 0.0):
+    def __init__(self, unique_id: str, queue_len: int = 0, misses: int = 0):
         self.replica_id = ReplicaID(unique_id, DEPLOYMENT)
         self.queue_len = queue_len
-        self.answer_after_s = answer_after_s
+        self.misses = misses  # probes it lets pass their deadline before it answers one (at once)
+        self.probes = 0
         self.max_ongoing_requests = 100
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
-        await asyncio.sleep(self.answer_after_s)
+        self.probes += 1
+        if self.probes <= self.misses:
+            await asyncio.sleep(3600)  # the router's deadline cancels this probe
         return self.queue_len
 
 
 def make_router(cls, replicas, **kwargs):
-    router = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True)
+    router = cls(
+        deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True
+    )
     router.initialize_state(**kwargs)
     router.update_replicas(replicas)
     return router
@@ -136,7 +146,7 @@ def test_request_router_options_are_accepted_by_serve():
 
     options = request_router_options("prefix_affinity", prefix_chars=64, imbalance=2)
     config = serve.deployment(Fake).options(**options)._deployment_config.request_router_config
-    assert config.request_router_class == "deployments.routers.PrefixAffinityRouter"
+    assert config.request_router_class == "deployments.routing.routers.PrefixAffinityRouter"
     assert config.request_router_kwargs == {"prefix_chars": 64, "imbalance": 2}
     assert config.get_request_router_class().__name__ == "PrefixAffinityRouter"
 
@@ -150,10 +160,11 @@ def test_request_router_options_reject_unknown_names():
 
 def test_a_replica_slow_to_answer_the_probe_counts_by_its_load_not_as_full():
     async def scenario():
-        busy, slow = FakeReplica("busy", 5), FakeReplica("slow", 0, answer_after_s=0.15)  # misses the first 0.1 s deadline
+        busy, slow = FakeReplica("busy", 5), FakeReplica("slow", 0, misses=1)  # misses the first probe's deadline
         router = make_router(PrefixAffinityRouter, [busy, slow], prefix_chars=8, imbalance=2)
         assert await router._loads([busy, slow]) == {"busy": 5, "slow": 0}
-        slow.answer_after_s = 10  # never answers within the retries: counted full
+        assert slow.probes >= 2  # it missed a deadline, then answered a retry
+        slow.misses = 1000  # never answers within the retries: counted full
         router._replica_queue_len_cache.invalidate_key(slow.replica_id)
         assert (await router._loads([slow]))["slow"] == slow.max_ongoing_requests
 
@@ -161,14 +172,16 @@ def test_a_replica_slow_to_answer_the_probe_counts_by_its_load_not_as_full():
 
 
 def test_several_models_in_one_deployment_get_the_model_policy_router_and_model_stats():
-    from deployments.routers import MODEL_STATS_PERIOD_S, pool_router_options
+    from deployments.routing.routers import MODEL_STATS_PERIOD_S, pool_router_options
 
-    options = pool_router_options({"a": {"policy": "least_load", "prefix_chars": 8},
-                                   "b": {"policy": "prefix_affinity", "prefix_chars": 8}})
+    options = pool_router_options(
+        {"a": {"policy": "least_load", "prefix_chars": 8}, "b": {"policy": "prefix_affinity", "prefix_chars": 8}}
+    )
     config = RequestRouterConfig(**options["request_router_config"])
     assert config.get_request_router_class().__name__ == "ModelPolicyRouter"
-    assert config.request_router_kwargs == {"policies": {"a": {"policy": "least_load"},
-                                                         "b": {"policy": "prefix_affinity", "prefix_chars": 8}}}
+    assert config.request_router_kwargs == {
+        "policies": {"a": {"policy": "least_load"}, "b": {"policy": "prefix_affinity", "prefix_chars": 8}}
+    }
     assert config.request_routing_stats_period_s == MODEL_STATS_PERIOD_S
     with pytest.raises(ValueError, match="nearest"):
         pool_router_options({"a": {"policy": "nearest"}})
@@ -176,12 +189,16 @@ def test_several_models_in_one_deployment_get_the_model_policy_router_and_model_
 
 def test_each_model_of_a_shared_deployment_is_routed_by_its_own_policy():
     """`s` sticks sessions to a replica of its own; `l` (least load) ignores the session; neither leaves its model."""
+
     async def scenario():
         s1, s2, l1, l2 = (FakeReplica(n) for n in ("s1", "s2", "l1", "l2"))
         for r, model in ((s1, "s"), (s2, "s"), (l1, "l"), (l2, "l")):
             r.routing_stats = {"model": model}
-        router = make_router(ModelPolicyRouter, [s1, s2, l1, l2],
-                             policies={"s": {"policy": "session_affinity"}, "l": {"policy": "least_load"}})
+        router = make_router(
+            ModelPolicyRouter,
+            [s1, s2, l1, l2],
+            policies={"s": {"policy": "session_affinity"}, "l": {"policy": "least_load"}},
+        )
 
         def req(model: str, session: str) -> PendingRequest:
             p = pending({"model": model, "prompt": "x"}, headers=[(b"x-session-id", session.encode())])
@@ -201,7 +218,7 @@ def test_each_model_of_a_shared_deployment_is_routed_by_its_own_policy():
 def test_same_model_keeps_a_request_to_its_models_replicas():
     from types import SimpleNamespace
 
-    from deployments.routers import same_model
+    from deployments.routing.routers import same_model
 
     a, b, unknown = (SimpleNamespace(routing_stats=s) for s in ({"model": "a"}, {"model": "b"}, {}))
     assert same_model([a, b, unknown], "b") == [b]
@@ -214,6 +231,7 @@ def test_a_lora_adapters_requests_go_to_a_replica_that_has_it_loaded():
     """Three replicas of model `m` with adapters `x` and `y`: `x`'s requests go where `x` is loaded, and keep going
     there once a first one chose a replica (before any stats tell); a busy holder spills to the least-loaded one; an
     adapter nobody holds goes by load; base-model requests ignore adapters; all stay with model `m`'s replicas."""
+
     async def scenario():
         r1, r2, r3, other = (FakeReplica(n) for n in ("r1", "r2", "r3", "other"))
         for r in (r1, r2, r3):
@@ -243,7 +261,7 @@ def test_a_lora_adapters_requests_go_to_a_replica_that_has_it_loaded():
 
 
 def test_adapter_affinity_outcomes():
-    from app.routing import adapter_affinity
+    from deployments.routing.policies import adapter_affinity
 
     assert adapter_affinity("x", {"a": 0, "b": 0}, set()) in (("a", "new"), ("b", "new"))
     assert adapter_affinity("x", {"a": 0, "b": 3}, {"b"}) == ("b", "hit")
@@ -256,7 +274,7 @@ def test_adapter_affinity_outcomes():
 def test_same_model_knows_a_models_adapters():
     from types import SimpleNamespace
 
-    from deployments.routers import same_model
+    from deployments.routing.routers import same_model
 
     a, b = (SimpleNamespace(routing_stats=s) for s in ({"model": "a", "adapters": ["a-sql"]}, {"model": "b"}))
     assert same_model([a, b], "a-sql") == [a]

@@ -1,4 +1,5 @@
-"""Routing decisions (app/routing.py), driven without Ray: keys, least-load, prefix and session affinity."""
+"""Routing decisions (deployments/routing/policies.py), driven without Ray: keys, least-load, prefix and session
+affinity."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from app.routing import (
+from deployments.routing.policies import (
     AffinityTable,
     least_loaded,
     power_of_two,
@@ -29,6 +30,7 @@ def system_prompt(i: int) -> str:
 
 
 # --- request keys ---------------------------------------------------------------------------------
+
 
 def test_session_key_prefers_header_then_serve_session_id_then_user_field():
     body = {"user": "alice"}
@@ -75,6 +77,7 @@ def test_request_body_accepts_only_json_objects():
 
 # --- load -----------------------------------------------------------------------------------------
 
+
 def test_power_of_two_picks_the_less_loaded_of_two():
     assert power_of_two({"a": 5, "b": 1}, random.Random(0)) == "b"
     assert power_of_two({"a": 0, "b": 9}, random.Random(1)) == "a"
@@ -96,6 +99,7 @@ def test_least_loaded_breaks_ties_by_fewest_owned_keys():
 
 
 # --- prefix affinity --------------------------------------------------------------------------------
+
 
 def test_distinct_prefixes_spread_and_each_prefix_repeats_on_one_replica():
     table, loads = AffinityTable(), {"r1": 0, "r2": 0}
@@ -136,6 +140,7 @@ def test_affinity_table_is_bounded_lru():
 
 
 # --- session affinity -------------------------------------------------------------------------------
+
 
 def test_session_sticks_whatever_the_load():
     table = AffinityTable()

@@ -6,9 +6,9 @@ import pytest
 from pydantic import ValidationError
 from ray import serve
 
-from app import routing
-from app.deployment_options import llm_deployment_options
+from app.build.options import llm_deployment_options
 from app.config import ModelConfig, RoutingOptions, SummitConfig
+from deployments.routing import policies as routing
 
 
 def model(**overrides) -> ModelConfig:
@@ -23,14 +23,16 @@ def test_default_policy_keeps_serves_own_router():
 def test_prefix_affinity_names_its_router_and_kwargs():
     options = llm_deployment_options(model(routing={"policy": "prefix_affinity", "prefix_chars": 512, "imbalance": 4}))
     assert options["request_router_config"] == {
-        "request_router_class": "deployments.routers.PrefixAffinityRouter",
+        "request_router_class": "deployments.routing.routers.PrefixAffinityRouter",
         "request_router_kwargs": {"prefix_chars": 512, "imbalance": 4, "max_tracked": routing.DEFAULT_MAX_TRACKED},
     }
 
 
 def test_session_affinity_names_its_router_and_serve_accepts_the_options():
     options = llm_deployment_options(model(routing={"policy": "session_affinity", "max_tracked": 50}))
-    assert options["request_router_config"]["request_router_class"] == "deployments.routers.SessionAffinityRouter"
+    assert (
+        options["request_router_config"]["request_router_class"] == "deployments.routing.routers.SessionAffinityRouter"
+    )
     assert options["request_router_config"]["request_router_kwargs"] == {"max_tracked": 50}
 
     class FakeServer:

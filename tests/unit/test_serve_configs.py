@@ -1,4 +1,5 @@
-"""Every shipped Serve YAML validates, and `summit validate` accepts each on its hardware and refuses what cannot fit."""
+"""Every shipped Serve YAML validates, and `summit validate` accepts each on its hardware and refuses what cannot
+fit."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from app.build.engine_checks import load_config
 from app.cli import main
 from app.config import SummitConfig
-from app.validate import Hardware, validate_doc, validate_file
+from app.plan.validate import Hardware, validate_doc, validate_file
 
 CONFIGS = Path(__file__).parents[2] / "serve_configs"
 GPU_CONFIGS = {  # file → the hardware it is written for: (gpu, gpus per node, nodes)
@@ -37,8 +39,8 @@ def test_every_serve_config_validates(path):
     doc = yaml.safe_load(path.read_text())
     assert doc["http_options"]["host"] == "127.0.0.1"
     for app in doc["applications"]:
-        assert app["import_path"] == "app.builder:build_app"
-        SummitConfig.model_validate(app["args"])
+        assert app["import_path"] == "app.build:build_app"
+        load_config(app["args"])
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
@@ -61,16 +63,26 @@ def test_summit_validate_accepts_each_config_on_its_hardware(name, hardware):
 def test_intended_layouts():
     m = {n: SummitConfig.model_validate(load(n)["applications"][0]["args"]).models[0] for n in GPU_CONFIGS}
     layout = {n: (x.tensor_parallel_size, x.pipeline_parallel_size) for n, x in m.items()}
-    assert layout == {"llama8b.yaml": (1, 1), "llama70b.yaml": (4, 1), "llama405b.yaml": (8, 2), "llama405b-fp8.yaml": (8, 1),
-                      "llama8b-fp8.yaml": (1, 1), "llama70b-fp8.yaml": (2, 1)}
+    assert layout == {
+        "llama8b.yaml": (1, 1),
+        "llama70b.yaml": (4, 1),
+        "llama405b.yaml": (8, 2),
+        "llama405b-fp8.yaml": (8, 1),
+        "llama8b-fp8.yaml": (1, 1),
+        "llama70b-fp8.yaml": (2, 1),
+    }
     assert all(m[n].engine_kwargs["quantization"] == "fp8" for n in GPU_CONFIGS if "fp8" in n)
-    assert [n for n in GPU_CONFIGS if m[n].engine_kwargs.get("kv_cache_dtype") == "fp8"] == ["llama8b-fp8.yaml",
-                                                                                           "llama70b-fp8.yaml"]
+    assert [n for n in GPU_CONFIGS if m[n].engine_kwargs.get("kv_cache_dtype") == "fp8"] == [
+        "llama8b-fp8.yaml",
+        "llama70b-fp8.yaml",
+    ]
 
 
 def test_fp8_halves_what_validate_counts():
-    out = {n: validate_file(CONFIGS / n, Hardware("h100-80gb", 8, 1), env={}).lines[0]
-           for n in ("llama70b.yaml", "llama70b-fp8.yaml")}
+    out = {
+        n: validate_file(CONFIGS / n, Hardware("h100-80gb", 8, 1), env={}).lines[0]
+        for n in ("llama70b.yaml", "llama70b-fp8.yaml")
+    }
     assert "TP 4 × PP 1, bf16 weights 32.9 GiB + bf16 KV 10.0 GiB" in out["llama70b.yaml"]  # 131.6 and 40 GiB in all
     assert "TP 2 × PP 1, fp8 weights 33.8 GiB + fp8 KV 10.0 GiB" in out["llama70b-fp8.yaml"]  # 67.6 and 20 GiB
 
@@ -89,13 +101,20 @@ def test_405b_fp8_on_two_a100_40gb_nodes_is_told_the_seeds_layout_only():
 
 def test_each_fix_named_fits_on_its_own():
     """fp8 weights at TP 2 with 60 % of an H100 and a bf16 KV cache: short; each of the three fixes named fits."""
-    engine = {"dtype": "bfloat16", "quantization": "fp8", "max_model_len": 131072, "max_num_seqs": 256,
-              "gpu_memory_utilization": 0.6}
+    engine = {
+        "dtype": "bfloat16",
+        "quantization": "fp8",
+        "max_model_len": 131072,
+        "max_num_seqs": 256,
+        "gpu_memory_utilization": 0.6,
+    }
     doc, h100 = with_model(load("llama70b-fp8.yaml"), engine_kwargs=engine), Hardware("h100-80gb", 8, 1)
     (problem,) = validate_doc(doc, h100, env={}).problems
-    assert problem.endswith("Fix: use tensor_parallel_size 4 × pipeline_parallel_size 1 (`summit plan`), lower "
-                            "engine_kwargs.max_model_len to 77,138 or less, or store the KV cache in fp8 "
-                            "(engine_kwargs.kv_cache_dtype: fp8)"), problem  # not the fp8 quantization it has
+    assert problem.endswith(
+        "Fix: use tensor_parallel_size 4 × pipeline_parallel_size 1 (`summit plan`), lower "
+        "engine_kwargs.max_model_len to 77,138 or less, or store the KV cache in fp8 "
+        "(engine_kwargs.kv_cache_dtype: fp8)"
+    ), problem  # not the fp8 quantization it has
     assert validate_doc(with_model(doc, tensor_parallel_size=4), h100, env={}).ok
     assert validate_doc(with_model(doc, engine_kwargs={**engine, "max_model_len": 77138}), h100, env={}).ok
     assert not validate_doc(with_model(doc, engine_kwargs={**engine, "max_model_len": 77138 + 512}), h100, env={}).ok
@@ -104,11 +123,15 @@ def test_each_fix_named_fits_on_its_own():
 
 def test_405b_bf16_on_one_node_is_short_of_gpus():
     report = validate_file(CONFIGS / "llama405b.yaml", Hardware("h100-80gb", 8, 1), env={})
-    assert report.problems == ["the models need 16 GPUs (llama-3.1-405b 16) but 1 node × 8 h100-80gb has 8: short by 8 GPUs"]
+    assert report.problems == [
+        "the models need 16 GPUs (llama-3.1-405b 16) but 1 node × 8 h100-80gb has 8: short by 8 GPUs"
+    ]
 
 
 def test_405b_bf16_tp8_alone_does_not_fit_h100():
-    report = validate_doc(with_model(load("llama405b.yaml"), pipeline_parallel_size=1), Hardware("h100-80gb", 8, 1), env={})
+    report = validate_doc(
+        with_model(load("llama405b.yaml"), pipeline_parallel_size=1), Hardware("h100-80gb", 8, 1), env={}
+    )
     assert any("'llama-3.1-405b'" in p and "GiB per GPU" in p for p in report.problems)
 
 
@@ -127,7 +150,7 @@ def test_tp_across_nodes_is_refused_by_placement():
 
 
 def test_config_json_under_source_wins_over_the_preset(tmp_path):
-    from app.tiny_model import make_model_config
+    from app.clusters.tiny_model import make_model_config
 
     make_model_config("llama-3.1-8b", tmp_path / "shape")  # the 8B shapes under a 70B preset name
     doc = with_model(load("llama70b.yaml"), tensor_parallel_size=1)
@@ -145,7 +168,12 @@ def test_summit_validate_cli_exit_codes(capsys):
     assert main(["validate", str(CONFIGS / "llama405b-fp8.yaml"), "--gpu", "h100-80gb", "--nodes", "1"]) == 0
     out = capsys.readouterr().out
     assert "llama-3.1-405b-fp8: TP 8 × PP 1, fp8 weights" in out and ": ok" in out
-    assert main(["validate", str(CONFIGS / "llama405b.yaml"), "--gpu", "h100-80gb", "--gpus-per-node", "8", "--nodes", "1"]) == 1
+    assert (
+        main(
+            ["validate", str(CONFIGS / "llama405b.yaml"), "--gpu", "h100-80gb", "--gpus-per-node", "8", "--nodes", "1"]
+        )
+        == 1
+    )
     assert "short by 8 GPUs" in capsys.readouterr().err
 
 

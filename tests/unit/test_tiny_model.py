@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from app.tiny_model import make_model_config, make_tiny_model
+from app.clusters.tiny_model import make_model_config, make_tiny_model
 
 
 def digest(path) -> str:

@@ -1,0 +1,165 @@
+"""One Summit cluster's own ports and files, so that two on one machine (two SLURM jobs on a node, two test
+clusters) do not collide: the Ray ports, Serve's HTTP port, HAProxy's files and ports, and the replicas' port
+windows. `summit job-env` prints them as `export` lines for the sbatch job (cluster_yaml/slurm/summit.sbatch)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from app.build.options import DIRECT_PATH_ENV
+
+LOOPBACK = "127.0.0.1"
+
+_handed_out: set[int] = set()  # ports this process gave to a cluster: two clusters of one test run never share
+_CLAIMS = Path(tempfile.gettempdir()) / "summit-port-claims"
+_CLAIM_FRESH_S = 600  # a claim whose process is gone still holds this long: the cluster it named may be starting
+
+
+def _claim(name: str) -> bool:
+    """Claim `name` (a port or a window) on this machine, for processes that pick ports side by side (two test
+    workers, two SLURM jobs starting on one node): a port that is free now may be taken by the other's cluster a few
+    seconds later. A claim holds while the process that made it lives, and for `_CLAIM_FRESH_S` after it was made."""
+    _CLAIMS.mkdir(parents=True, exist_ok=True)
+    path = _CLAIMS / name
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            pid, age = int(path.read_text() or 0), time.time() - path.stat().st_mtime
+        except (OSError, ValueError):
+            return False  # being written by its claimer
+        if age < _CLAIM_FRESH_S or _alive(pid):
+            return False
+        mine = path.with_name(f".{name}.{os.getpid()}")
+        mine.write_text(str(os.getpid()))
+        os.replace(mine, path)
+        return True
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+@functools.cache
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's range for ports that bind(0) and connect() pick (net.ipv4.ip_local_port_range)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port() -> int:
+    """A port free now, above the kernel's ephemeral range: a port the kernel hands out to any bind(0) or connect()
+    (SLURM's srun took a job's dashboard port so, between `summit job-env` and `ray start`) is never chosen."""
+    low = _ephemeral_range()[1] + 1
+    for _ in range(2000 if 65535 - low >= 1000 else 0):
+        port = random.randrange(low, 65536)
+        if port not in _handed_out and _bindable(port) and _claim(f"port-{port}"):
+            _handed_out.add(port)
+            return port
+    while True:  # a machine whose ephemeral range leaves no room above it: the kernel's choice
+        with socket.socket() as s:
+            s.bind((LOOPBACK, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out and _claim(f"port-{port}"):
+            _handed_out.add(port)
+            return port
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((LOOPBACK, port))
+        return True
+    except OSError:
+        return False
+
+
+def free_port_window(low: int, high: int, size: int = 100) -> int:
+    """The first port of `size` consecutive ports in [low, high) that are free now (below Linux's ephemeral range,
+    free_port draws above it), picked at random so that clusters started side by side get different windows.
+
+    Every port is checked, and windows handed out by this process are never handed out again: Serve's replicas bind
+    their ports with SO_REUSEPORT, so a replica of one cluster whose window overlapped another's would share a port
+    with the other's replica, and the kernel would split one cluster's requests between both (seen in CI: a request
+    to one app answered "model does not exist" by another app's replica)."""
+    for _ in range(200):
+        base = random.randrange(low, high - size, size)
+        window = set(range(base, base + size))
+        if window & _handed_out:
+            continue
+        if not all(_bindable(port) for port in window) or not _claim(f"window-{base}"):
+            continue
+        _handed_out.update(window)
+        return base
+    raise RuntimeError(f"no free window of {size} ports in [{low}, {high})")
+
+
+def haproxy_env(state_dir: Path) -> dict[str, str]:
+    """Serve's HAProxy option with this cluster's own files and ports: by default HAProxy keeps its config and admin
+    socket under /tmp/haproxy-serve and its stats and metrics on ports 8404 / 9101, one set per machine.
+
+    Keep `state_dir` short: Serve adds a 56-character node id below it and HAProxy refuses socket paths over 97."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        **DIRECT_PATH_ENV,
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(state_dir / "admin.sock"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(state_dir / "metrics.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(state_dir),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        # stats and metrics on loopback (app/clusters/haproxy.py), as scripts/serve.sh runs it
+        "RAY_SERVE_HAPROXY_BINARY_PATH": shutil.which("summit-haproxy") or "",
+        # replicas' own HTTP and gRPC ports: a window per cluster (Serve's default 30000+ / 40000+ is one per machine,
+        # and two test clusters side by side would both take 30000)
+        **{
+            f"RAY_SERVE_DIRECT_INGRESS_{bound}_{proto}_PORT": str(base + (0 if bound == "MIN" else 99))
+            for proto, base in [("HTTP", free_port_window(20000, 26000)), ("GRPC", free_port_window(26000, 32000))]
+            for bound in ("MIN", "MAX")
+        },
+    }
+
+
+def job_env(state_dir: Path) -> dict[str, str]:
+    """Everything one job's Ray and Serve need of their own: Ray's GCS, dashboard and client ports, Serve's HTTP
+    port (SUMMIT_HTTP_PORT), and the direct path's HAProxy with its files under `state_dir` (keep it short)."""
+    return {
+        "SUMMIT_RAY_PORT": str(free_port()),
+        "SUMMIT_DASHBOARD_PORT": str(free_port()),
+        "SUMMIT_HTTP_PORT": str(free_port()),
+        **haproxy_env(state_dir),
+    }
+
+
+def job_serve_config(config: Path, http_port: int, out: Path) -> Path:
+    """The Serve YAML with this job's HTTP port (on loopback unless the YAML binds elsewhere deliberately), its
+    applications on the job's token auth (a YAML written for loopback development says `disabled`)."""
+    import yaml
+
+    data = yaml.safe_load(config.read_text())
+    data["http_options"] = {"host": LOOPBACK, **data.get("http_options", {}), "port": http_port}
+    for app in data.get("applications") or []:
+        env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env_vars["RAY_AUTH_MODE"] = "token"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out

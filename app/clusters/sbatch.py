@@ -1,0 +1,122 @@
+"""`summit sbatch`: an sbatch script for a Serve YAML, sized by the planner (pure, except reading the YAML).
+
+The script is a header (the #SBATCH lines for this YAML and the command that wrote it) and one fixed body
+(`app/clusters/slurm_job.sh`): the Ray head on the first node, a worker per other node, token auth, this job's own
+ports, `serve deploy`, readiness in `endpoint.json`, a drain before the time limit, lost nodes reported.
+`cluster_yaml/slurm/summit.sbatch` is this command's output for serve_configs/llama405b.yaml (a unit test
+regenerates it from the command in its header).
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from app.clusters.sbatch_args import sbatch_parser
+from app.plan.validate import Hardware, validate_doc
+
+BODY = Path(__file__).with_name("slurm_job.sh")
+DRAIN_S = 300  # SLURM signals the job this long before its time limit
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    config: str
+    gpus_per_node: int
+    nodes: int | None = None
+    partition: str | None = None
+    time: str = "24:00:00"
+    gpu: str = "h100-80gb"
+    cpus_per_task: int = 32
+    job_name: str = "summit"
+
+    def command(self) -> str:
+        parts = ["summit", "sbatch", self.config, "--gpus-per-node", str(self.gpus_per_node)]
+        if self.nodes is not None:
+            parts += ["--nodes", str(self.nodes)]
+        if self.partition:
+            parts += ["--partition", self.partition]
+        parts += ["--time", self.time, "--gpu", self.gpu]
+        return " ".join(shlex.quote(p) for p in parts)
+
+
+def size_nodes(doc: dict, spec: JobSpec, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """Nodes the YAML's replicas need at `gpus_per_node` (the fewest that pass `summit validate`), or the given
+    count checked; raises ValueError with validate's problems when it cannot fit."""
+    if spec.gpus_per_node <= 0:  # CPU engines: nothing to size, one node unless told
+        return spec.nodes or 1, []
+    first = validate_doc(doc, Hardware(spec.gpu, spec.gpus_per_node, spec.nodes or 1), env)
+    if spec.nodes is not None:
+        if not first.ok:
+            raise ValueError("; ".join(first.problems))
+        return spec.nodes, first.lines
+    used = _gpus_used(first.lines)
+    start = max(1, math.ceil(used / spec.gpus_per_node)) if used else 1
+    for nodes in range(start, start + 64):
+        report = validate_doc(doc, Hardware(spec.gpu, spec.gpus_per_node, nodes), env)
+        if report.ok:
+            return nodes, report.lines
+    raise ValueError("; ".join(first.problems))
+
+
+def _gpus_used(lines: list[str]) -> int:
+    """From validate's last line, `GPUs: USED of HAVE (...)`."""
+    for line in reversed(lines):
+        if line.startswith("GPUs: "):
+            return int(line.split()[1])
+    return 0
+
+
+def render(spec: JobSpec, env: dict[str, str] | None = None, doc: dict | None = None) -> str:
+    doc = doc if doc is not None else yaml.safe_load(Path(spec.config).read_text())
+    nodes, lines = size_nodes(doc, spec, env)
+    sbatch = [f"--job-name={spec.job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    if spec.gpus_per_node > 0:
+        sbatch.append(f"--gpus-per-node={spec.gpus_per_node}")
+    sbatch += [f"--cpus-per-task={spec.cpus_per_task}", "--exclusive", f"--time={spec.time}"]
+    if spec.partition:
+        sbatch.append(f"--partition={spec.partition}")
+    sbatch += [f"--signal=B:USR1@{DRAIN_S}", "--output=summit-%j.out"]
+    sizing = "\n".join(f"#   {line}" for line in lines) or "#   (CPU engines: not sized for GPUs)"
+    header = (
+        f"""#!/usr/bin/env bash
+# Summit on a SLURM allocation: the Ray head on the first node, a Ray worker on every other node (srun +
+# `ray start --block`), Ray token auth, then `serve deploy` of {spec.config}. Written by:
+#   {spec.command()}
+# Sizing (summit validate, {spec.gpu}):
+{sizing}
+#
+#   sbatch summit.sbatch [--config FILE] [--log-dir DIR] [--venv DIR]   (sbatch options override the #SBATCH lines)
+#   DRY_RUN=1 bash summit.sbatch --dry-run                              # print the commands, run nothing
+#
+# Each job picks free ports for Ray, the dashboard and Serve's HTTP (bound to 127.0.0.1 on the head node) and keeps
+# its sockets under /tmp/summit-<job id>, so two jobs can share a node. When the app answers, LOG_DIR/endpoint.json
+# (default ./logs/summit-<job id>/) says `"state": "ready"` with the port and the SSH tunnel to reach it from a login
+# node: `ssh -N -L PORT:127.0.0.1:PORT <head node>`, then OPENAI_BASE_URL=http://127.0.0.1:PORT/v1. SLURM signals
+# the job {DRAIN_S} s before its time limit: it drains (no new requests, running streams finish) and ends. A node
+# that leaves is reported in the log and endpoint.json. `scancel` stops every process the job started.
+# Token auth: RAY_AUTH_MODE=token for every Ray process; the token is RAY_AUTH_TOKEN_PATH (default ~/.ray/auth_token
+# on the shared home directory), generated when missing. Batch API: put `batch.files_path` on the shared filesystem
+# and `batch.db_path` on the head node's local disk (docs/features/batch.md). Environment overrides: SERVE_CONFIG,
+# LOG_DIR, STATE_DIR, SUMMIT_VENV, GPUS_PER_NODE, CPUS_PER_NODE, NODES_WAIT_S, READY_WAIT_S, SUMMIT_NODES (outside
+# SLURM).
+"""
+        + "".join(f"#SBATCH {line}\n" for line in sbatch)
+        + f"""
+SERVE_CONFIG=${{SERVE_CONFIG:-{spec.config}}}
+GPUS_PER_NODE_DEFAULT={spec.gpus_per_node}
+"""
+    )
+    return header + BODY.read_text()
+
+
+def spec_from_header(text: str) -> JobSpec:
+    """The JobSpec whose command wrote this script (its third line)."""
+    line = next(ln for ln in text.splitlines() if ln.startswith("#   summit sbatch "))
+    args = shlex.split(line[4:])[2:]
+    ns = sbatch_parser().parse_args(args)
+    return JobSpec(ns.file, ns.gpus_per_node, ns.nodes, ns.partition, ns.time, ns.gpu)

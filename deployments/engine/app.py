@@ -1,0 +1,98 @@
+"""vLLM's AsyncLLM and its own OpenAI app, started in this process (the replica) inside the replica's
+placement group."""
+
+from __future__ import annotations
+
+import os
+from argparse import Namespace
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from deployments.engine.args import openai_entrypoints
+
+
+@dataclass
+class EngineApp:
+    """A running AsyncLLM and vLLM's own OpenAI FastAPI app bound to it (in this process)."""
+
+    engine: Any
+    app: Any
+
+
+async def start_engine_app(args: Namespace, metrics: bool = True) -> EngineApp:
+    """vLLM's AsyncLLM and its OpenAI app; `metrics`: vLLM records its stats in this process (its default
+    prometheus_client logger, which `engine_metric_samples` reads); False: none at all, as with `disable_log_stats`."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    _, build_app, init_app_state = openai_entrypoints()
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    _use_replica_placement_group(vllm_config)
+    _own_kv_side_channel(vllm_config)
+    engine = AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats or not metrics,
+    )
+    try:
+        supported_tasks = await engine.get_supported_tasks()
+        app = build_app(args, supported_tasks, engine.model_config)
+        await init_app_state(engine, app.state, args, supported_tasks)
+        # vLLM's engine-error handler sets `app.state.server.should_exit` (its uvicorn server's) so that `vllm serve`
+        # exits once the engine is dead. No server runs here: Serve's health check replaces the replica instead.
+        app.state.server = SimpleNamespace(should_exit=False)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return EngineApp(engine=engine, app=app)
+
+
+def _own_kv_side_channel(vllm_config, env: dict | None = None) -> None:
+    """NIXL's handshake listens on VLLM_NIXL_SIDE_CHANNEL_PORT (5600 by default) in every engine, on
+    VLLM_NIXL_SIDE_CHANNEL_HOST (localhost): two engines of one node would collide, and a decode engine on
+    another node could not reach it. Give each engine a free port and the node's Ray address, unless the
+    environment sets them."""
+    env = os.environ if env is None else env
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or not (kv.kv_connector or "").startswith("Nixl"):
+        return
+    host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST")
+    if host is None:
+        try:
+            import ray
+
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        except Exception:  # noqa: BLE001 — outside Ray
+            host = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+    if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(sock.getsockname()[1])
+
+
+def _use_replica_placement_group(vllm_config) -> None:
+    """Hand the replica's placement group to vLLM's Ray executor.
+
+    The engine core runs in a subprocess of the replica, where Ray reports no current placement group, so
+    vLLM would otherwise ask for a second group of tp x pp GPUs, which the replica's group already holds
+    (seen on the GPU host: "Engine core initialization failed").
+    """
+    if vllm_config.parallel_config.distributed_executor_backend != "ray":
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        vllm_config.parallel_config.placement_group = group
+    # The engine core subprocess calls `ray.init()` itself: point it at this replica's cluster, or it starts a
+    # private local one where the group does not exist (vLLM then fails with KeyError 'bundles').
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address

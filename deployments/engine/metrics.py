@@ -1,0 +1,40 @@
+"""This process's vLLM metrics as vLLM records them (its prometheus_client registry)."""
+
+from __future__ import annotations
+
+
+def engine_metric_samples():
+    """This process's vLLM metrics as vLLM records them (its prometheus_client registry), flattened for Ray's metrics
+    system: ("counter" | "gauge", name with `:` made `_`, labels, value); a histogram becomes cumulative gauges
+    `<name>_bucket` (label `le`), `<name>_count` and `<name>_sum`, the series Prometheus's own histograms have."""
+    from vllm.v1.metrics.reader import Counter, Gauge, Histogram, get_metrics_snapshot
+
+    for metric in get_metrics_snapshot():
+        name = metric.name.replace(":", "_")
+        if isinstance(metric, Counter):
+            yield "counter", name, metric.labels, metric.value
+        elif isinstance(metric, Gauge):
+            yield "gauge", name, metric.labels, metric.value
+        elif isinstance(metric, Histogram):
+            for le, count in metric.buckets.items():
+                yield "gauge", name + "_bucket", {**metric.labels, "le": le}, count
+            yield "gauge", name + "_count", metric.labels, metric.count
+            yield "gauge", name + "_sum", metric.labels, metric.sum
+
+
+def kv_cache_usage() -> float | None:
+    """The share of this process's engine's KV-cache blocks held by requests as of its last step (vLLM's
+    `vllm:kv_cache_usage_perc`; blocks kept only for prefix caching count as free); None with metrics off."""
+    from vllm.v1.metrics.reader import Gauge, get_metrics_snapshot
+
+    values = [m.value for m in get_metrics_snapshot() if isinstance(m, Gauge) and m.name == "vllm:kv_cache_usage_perc"]
+    return max(values) if values else None
+
+
+def generation_tokens() -> int | None:
+    """Tokens this process's engine has generated so far, aborted requests' included (vLLM's
+    `vllm:generation_tokens` counter, updated every engine step); None with metrics off."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    values = [m.value for m in get_metrics_snapshot() if isinstance(m, Counter) and m.name == "vllm:generation_tokens"]
+    return sum(values) if values else None

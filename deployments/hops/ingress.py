@@ -1,0 +1,199 @@
+"""The two-hop path's HTTP entry (models of different shapes, or Ray without HAProxy): Serve's proxy -> this ingress ->
+the model's engine deployment -> the same replica front and pipeline as on the direct path.
+
+The ingress runs the entry's steps (pipeline/entry.py: API key, body, model, rate limit), chooses the model's
+deployment and relays its answer (SSE passed through as it comes); everything else — vLLM's validation, the engine,
+the OpenAI-shaped errors — is the replica front's (server/front.py), which does not check the key again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.config import AuthOptions
+from deployments.http.asgi import read_body, send_json, send_plain
+from deployments.http.errors import OpenAIError
+from deployments.http.protocol import (
+    ARRIVAL_HEADER,
+    BATCH_PREFIXES,
+    HOP_HEADERS,
+    PATH_HEADER,
+    REQUEST_ID_HEADER,
+    HTTPRequest,
+    ResponseStart,
+    without,
+)
+from deployments.http.relay import first_response, relay, rest_of_body
+from deployments.lora.runtime import LOAD, MAX_BODY_BYTES, RUNTIME_LORA_ROUTES, parse_load, parse_unload
+from deployments.pipeline.auth import load_api_keys
+from deployments.pipeline.context import Entry, RequestContext, run_steps
+from deployments.pipeline.entry import POST_ROUTES, authenticate, bounded_body, not_served, rate_limit, resolve_model
+from deployments.pipeline.handoff import to_batch_api
+from deployments.pipeline.rate_limit import Limits
+from deployments.routing.choose import can_route
+
+logger = logging.getLogger("ray.serve")
+
+_RUNTIME_READ_S = 0.5  # how long the registry's list of adapters loaded at run time is trusted
+
+
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(
+        self,
+        servers: dict[str, DeploymentHandle],
+        auth: AuthOptions | None = None,
+        batch_api: DeploymentHandle | None = None,
+        limiter: DeploymentHandle | None = None,
+        adapters: dict[str, str] | None = None,
+        adapter_registry: DeploymentHandle | None = None,
+        runtime_lora_models: list[str] | None = None,
+        why_hops: str = "",
+    ):
+        """`servers`: each model's engine deployment; `adapters`: each LoRA adapter's model (its replicas serve it);
+        `adapter_registry`: the adapters loaded at run time into `runtime_lora_models` (deployments/lora/runtime.py);
+        `why_hops`: why the app is on this path, told in /v1/models' `x-summit-request-path` (`summit wait-ready`
+        warns when it is a Ray started without the direct path's settings)."""
+        self._path_header = [(PATH_HEADER, f"hops; {why_hops}".encode())]
+        self._servers = servers
+        self._adapters = adapters or {}
+        self._registry = adapter_registry
+        self._runtime_models = runtime_lora_models or []
+        self._runtime: dict[str, str] = {}  # adapter loaded at run time -> its model, as the registry last said
+        self._runtime_read = 0.0
+        self._batch_api = batch_api
+        keys = load_api_keys(auth.api_keys_env, auth.api_keys_file) if auth else None
+        limits = Limits(limiter, auth.rate_limit.default_max_tokens) if limiter is not None else None
+        self._authenticate = authenticate(keys)
+        names = lambda: [*self._servers, *self._adapters, *self._runtime]  # noqa: E731
+        self._request_steps = [bounded_body(), resolve_model(names, self._names_again), rate_limit(limits)]
+
+    def __serve_build_asgi_app__(self):
+        return Entry(self._route)
+
+    async def _route(self, ctx: RequestContext) -> None:
+        if ctx.path == "/health":
+            await send_plain(ctx.send, 200)
+            return
+        if ctx.path == "/openapi.json" and ctx.method == "GET":
+            await self._openapi(ctx)
+            return
+        await run_steps([self._authenticate], ctx)
+        if ctx.method == "GET" and ctx.path == "/v1/models":
+            await send_json(ctx.send, 200, {"object": "list", "data": await self._models()}, self._path_header)
+        elif ctx.path in RUNTIME_LORA_ROUTES:
+            await self._runtime_lora(ctx)
+        elif ctx.path.startswith(BATCH_PREFIXES):
+            await to_batch_api(ctx, self._batch_api and self._batch_api.options(stream=True).handle_http.remote)
+        elif ctx.method == "POST" and ctx.path in POST_ROUTES:
+            await self._generate(ctx)
+        else:
+            raise not_served(ctx)
+
+    async def _generate(self, ctx: RequestContext) -> None:
+        await run_steps(self._request_steps, ctx)
+        # Serve's proxy answers with the client's x-request-id (or its own); the replica's front gives the engine
+        # that id plus a unique suffix.
+        headers = without(ctx.headers, HOP_HEADERS | {b"content-type"}) + [
+            (b"content-type", b"application/json"),
+            (REQUEST_ID_HEADER, ctx.client_request_id),
+            (ARRIVAL_HEADER, f"{time.time():.6f}".encode()),
+        ]
+        model = self._adapters.get(ctx.model) or self._runtime.get(ctx.model) or ctx.model
+        request = HTTPRequest("POST", ctx.path, ctx.body, ctx.query_string, headers, model=ctx.model)
+        await relay(self._servers[model].options(stream=True).handle_http.remote(request), model, ctx.receive, ctx.send)
+
+    async def _names_again(self) -> list[str]:
+        """The names once more, with the registry read now (an adapter loaded at run time since the last read)."""
+        await self._runtime_adapters()
+        return [*self._servers, *self._adapters, *self._runtime]
+
+    async def _runtime_adapters(self, fresh: bool = False) -> dict[str, str]:
+        """Adapters loaded at run time -> their model (read from the registry at most every half second)."""
+        if self._registry is not None and (fresh or time.monotonic() - self._runtime_read > _RUNTIME_READ_S):
+            _, entries = await self._registry.snapshot.remote()
+            self._runtime = {name: base for name, (base, _) in entries.items()}
+            self._runtime_read = time.monotonic()
+        return self._runtime
+
+    async def _call(self, name: str, request: HTTPRequest) -> tuple[ResponseStart, bytes]:
+        stream = self._servers[name].options(stream=True).handle_http.remote(request)
+        start = await first_response(stream)
+        return start, await rest_of_body(stream)
+
+    async def _openapi(self, ctx: RequestContext) -> None:
+        """Summit's OpenAPI document, as a replica's front builds it (deployments/http/openapi.py)."""
+        for name in self._servers:
+            try:
+                start, body = await self._call(name, HTTPRequest("GET", "/openapi.json"))
+            except OpenAIError:
+                continue
+            await ctx.send(
+                {
+                    "type": "http.response.start",
+                    "status": start.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
+            )
+            await ctx.send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        raise OpenAIError.unavailable("no model has a running replica yet; retry", retry_after=5)
+
+    async def _models(self) -> list[dict]:
+        """Every model's own /v1/models answer (vLLM's, with max_model_len), merged into one list: a model is listed
+        once one of its replicas has started and answered its warm-up, not before."""
+        data = []
+        for name in self._servers:
+            if not await can_route(self._servers[name], HTTPRequest("GET", "/v1/models")):
+                continue
+            try:
+                start, body = await self._call(name, HTTPRequest("GET", "/v1/models"))
+            except OpenAIError:  # its replica went away meanwhile
+                continue
+            if start.status == 200:
+                data.extend(json.loads(body)["data"])
+        return data
+
+    async def _runtime_lora(self, ctx: RequestContext) -> None:
+        """vLLM's adapter routes: a replica of the adapter's model answers (it checks the request and loads the
+        adapter); an unload goes to a replica of the model the registry names."""
+        if self._registry is None:
+            raise OpenAIError(
+                404,
+                f"POST {ctx.path} is not served: no model has `lora.runtime_loading: true` "
+                "(docs/features/engine-features.md)",
+            )
+        if ctx.method != "POST":
+            raise OpenAIError(405, f"{ctx.method} {ctx.path} is not served; use POST")
+        ctx.body = await read_body(ctx.receive, MAX_BODY_BYTES) or b""
+        base = await self._lora_base(ctx)
+        request = HTTPRequest(
+            "POST",
+            ctx.path,
+            ctx.body,
+            b"",
+            [(b"content-type", b"application/json"), (REQUEST_ID_HEADER, uuid.uuid4().hex.encode())],
+            model=base,
+        )
+        await relay(self._servers[base].options(stream=True).handle_http.remote(request), base, ctx.receive, ctx.send)
+
+    async def _lora_base(self, ctx: RequestContext) -> str:
+        """The model whose replica takes a load or unload request (checked here with the names of the whole
+        application, which one model's replica does not know)."""
+        try:
+            payload = json.loads(ctx.body)
+        except (ValueError, RecursionError):
+            payload = None
+        runtime = await self._runtime_adapters(fresh=True)
+        if ctx.path == LOAD:
+            return parse_load(payload, self._runtime_models, {*self._servers, *self._adapters, *runtime})[2]
+        name = parse_unload(payload, set(self._adapters))
+        if name not in runtime:
+            raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
+        return runtime[name]

@@ -1,0 +1,174 @@
+"""The pipeline's last step on an engine replica: one request through vLLM's own OpenAI app on this replica's engine.
+
+The engine gets the client's `x-request-id` plus a unique suffix (a reused id cannot collide inside vLLM; Serve answers
+with the client's id). An error that is not a stream comes out OpenAI-shaped; a 5xx that the request itself caused
+(a body vLLM's validators crash on) becomes the 400 naming the field; a 5xx from an engine that died is a 503 +
+Retry-After. A stream's chunks are coalesced (stream_coalesce_ms). A stream that can be resumed goes on from another
+replica when this engine dies under it (pipeline/migration.py). A client that leaves makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from deployments.http.errors import OpenAIError, openai_error_bytes, request_problem, structured_output_problem
+from deployments.http.protocol import HOP_HEADERS, REPLICA_HEADER, REQUEST_ID_HEADER, header, without
+from deployments.pipeline.context import RequestContext
+from deployments.pipeline.migration import resume_or_fail
+from deployments.server.coalesce import Coalescer
+
+logger = logging.getLogger("ray.serve")
+
+_DROP_RESPONSE_HEADERS = frozenset({b"x-request-id", b"date", b"server"})
+_DIED = "The model engine of this replica died; it is being replaced. Retry."
+
+
+class EngineCall:
+    def __init__(self, front, ctx: RequestContext):
+        self.front, self.ctx = front, ctx
+        self.engine, self.options = front.engine, front.options
+        self.resume = ctx.resume  # a stream that goes on elsewhere if this engine dies
+        self.body_given = self.answered = False
+        self.error: dict | None = None  # a non-stream error response, buffered to reshape it
+        self.stream: Coalescer | None = None  # a streamed (SSE) answer
+        self.client_id = ctx.client_request_id.decode()
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        headers = without(ctx.headers, HOP_HEADERS) + [
+            (REQUEST_ID_HEADER, ctx.client_request_id + b"-" + uuid.uuid4().hex[:8].encode()),
+            (b"content-length", str(len(ctx.body)).encode()),
+        ]
+        try:
+            await self.engine.app({**ctx.scope, "headers": headers}, self.receive, self.send)
+            if self.resume is not None and self.resume.failed:  # vLLM ended the stream with an error event
+                await self._resume_elsewhere()
+        except asyncio.CancelledError:  # the two-hop path cancels the app when its caller goes
+            self._cancelled()
+            raise
+        except Exception as e:
+            if not self.answered:
+                raise
+            # Starlette re-raises what its error handler answered (a 500): the client has its answer; one line
+            # here, not a traceback per bad request
+            logger.warning(
+                "request %s: vLLM's app raised %s after answering: %s", self.client_id, type(e).__name__, str(e)[:200]
+            )
+        finally:
+            if self.stream is not None:
+                self.stream.close()
+
+    async def receive(self) -> dict:
+        if not self.body_given:
+            self.body_given = True
+            if self.ctx.watch is not None:
+                self.ctx.watch.engine_received()
+            return {"type": "http.request", "body": self.ctx.body, "more_body": False}
+        message = await self.ctx.receive()  # http.disconnect when the client goes: vLLM aborts the engine request
+        if message["type"] == "http.disconnect":
+            self._cancelled()
+        return message
+
+    def _cancelled(self) -> None:
+        if not self.answered:
+            self.answered = True  # once
+            logger.info("request %s cancelled by its caller: aborting it in the engine", self.client_id)
+            if self.ctx.watch is not None:
+                self.ctx.watch.end(aborted=True)
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            await self._start(message)
+        elif message["type"] == "http.response.body":
+            await self._body(message)
+        else:
+            await self.ctx.send(message)
+
+    async def _start(self, message: dict) -> None:
+        out = without(message.get("headers", []), _DROP_RESPONSE_HEADERS)
+        out.append((REPLICA_HEADER, self.engine.replica_id.encode()))  # Serve adds the x-request-id it was given
+        status = message["status"]
+        if self.ctx.watch is not None:
+            self.ctx.watch.status = status
+            self.ctx.watch.response_headers(out)
+        message = {**message, "headers": out}
+        is_sse = (header(out, b"content-type") or b"").startswith(b"text/event-stream")
+        if not is_sse or status != 200:
+            self.resume = None
+        if status >= 500 and self.engine.dead():  # the engine died under this request
+            self.error = {"start": message, "body": [], "refusal": OpenAIError.unavailable(_DIED)}
+        elif status >= 400 and not is_sse:
+            self.error = {"start": message, "body": []}
+            if status >= 500:  # the request's own fault, where vLLM calls it internal: a 400 naming the field
+                self.error["refusal"] = self._request_fault()
+        elif is_sse and self.options.coalesce_s > 0:
+            self.stream = Coalescer(self.ctx.send, self.options.coalesce_s)
+        if self.error is None:
+            await self.ctx.send(message)
+
+    def _request_fault(self) -> OpenAIError | None:
+        if problem := request_problem(self.engine.app, self.ctx.path, self.ctx.body):
+            return OpenAIError(400, problem)
+        if structured := structured_output_problem(self.ctx.body):
+            field, message = structured
+            return OpenAIError(400, message, param=field)
+        return None
+
+    async def _body(self, message: dict) -> None:
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        if self.resume is not None:
+            chunk = self.resume.outgoing(chunk)
+            if self.resume.failed:  # the rest is held back: resumed elsewhere (after the app returns) or sent then
+                if chunk:
+                    await self.to_client(chunk, True)
+                return
+        if not more:
+            self.answered = True
+        if self.ctx.watch is not None:
+            if not more:
+                self.ctx.watch.end()
+            elif chunk:
+                self.ctx.watch.first_output()
+        if self.error is not None:
+            await self._error_body(chunk, more)
+            return
+        await self.to_client(chunk, more)
+
+    async def _error_body(self, chunk: bytes, more: bool) -> None:
+        """A non-stream error: gathered, then answered in OpenAI's shape (vLLM's own when it has that shape)."""
+        self.error["body"].append(chunk)
+        if more:
+            return
+        start, refusal = self.error["start"], self.error.get("refusal")
+        if refusal is not None:  # Summit's own answer in its place
+            status, body, extra = refusal.status, refusal.to_bytes(), refusal.extra_headers()
+        else:  # vLLM's own, in OpenAI's shape (as it is when it has that shape)
+            status, body, extra = start["status"], openai_error_bytes(start["status"], b"".join(self.error["body"])), []
+        headers = (
+            without(start["headers"], (b"content-length", b"content-type"))
+            + extra
+            + [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        )
+        await self.ctx.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.ctx.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def to_client(self, chunk: bytes, more_body: bool) -> None:
+        if self.stream is not None:
+            await self.stream.body(chunk, more_body)
+        else:
+            await self.ctx.send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+
+    async def _resume_elsewhere(self) -> None:
+        front = self.front
+        front.relaying += 1  # this replica must live on while it relays (LLMServer.check_health)
+        try:
+            outcome = await resume_or_fail(
+                self.resume, self.engine.dead, self.options.resume_to, self.to_client, self.ctx.receive
+            )
+        finally:
+            front.relaying -= 1
+        if self.options.metrics is not None and outcome:
+            self.options.metrics.stream_migration(outcome)
+        self.answered = True

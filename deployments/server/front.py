@@ -1,0 +1,217 @@
+"""What every OpenAI request meets in the replica that owns the engine: an ASGI app around vLLM's own OpenAI app.
+
+On the direct path Serve serves it on the replica's own HTTP port, behind HAProxy: it is the HTTP entry. On the
+two-hop path the ingress (hops/ingress.py) ran the entry's steps and `LLMServer.handle_http` runs this same app for
+the request it passed on (`ctx.internal`: key and rate limit are not checked again). A generation request runs one
+pipeline: the entry's steps (pipeline/entry.py: key, body, model, rate limit), then — when this replica's engine
+serves the model — the replica's (engine alive, measured, admitted, its LoRA adapter loaded, the prefill pool first
+for a disaggregated model, marked to resume elsewhere), then the engine call (server/engine_call.py). A request for
+another model of the deployment goes on to one of that model's replicas. Refusals are answered in one place
+(pipeline/context.answer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.http.asgi import read_body, send_json, send_plain
+from deployments.http.errors import OpenAIError
+from deployments.http.openapi import build as build_openapi
+from deployments.http.protocol import BATCH_PREFIXES
+from deployments.lora.adapters import AdapterLoadError
+from deployments.lora.runtime import MAX_BODY_BYTES, RUNTIME_LORA_ROUTES, RuntimeAdapters
+from deployments.observability.metrics import ReplicaMetrics
+from deployments.observability.tracing import Tracing
+from deployments.observability.watch import RequestWatch
+from deployments.pipeline.admission import Admission
+from deployments.pipeline.context import Entry, RequestContext, run_steps
+from deployments.pipeline.entry import POST_ROUTES, authenticate, bounded_body, not_served, rate_limit, resolve_model
+from deployments.pipeline.handoff import Call, to_batch_api, to_model_replica
+from deployments.pipeline.migration import resumable_stream
+from deployments.pipeline.prefill import PD_ROUTES, Disaggregated, prefill_first
+from deployments.pipeline.rate_limit import Limits
+from deployments.server.engine_call import EngineCall
+from deployments.server.models import ModelTable
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class EngineSide:
+    """This replica's engine as the front sees it."""
+
+    app: Any  # vLLM's OpenAI ASGI app on the replica's AsyncLLM
+    dead: Callable[[], bool]
+    replica_id: str
+    detokenizer: Callable | None = None  # vLLM's, for a resumed stream's text (pipeline/migration.Resumable)
+
+
+@dataclass
+class FrontOptions:
+    """What the front does besides passing requests to its engine (each off by default)."""
+
+    keys: list[bytes] | None = None  # API keys, where this front is the HTTP entry (direct path)
+    forward: Call | None = None  # a request -> one of the deployment's replicas of its model (several models)
+    batch_api: Call | None = None  # /v1/files and /v1/batches -> the BatchAPI deployment (batch on)
+    coalesce_s: float = 0.0  # a stream's chunks after its first gathered this long (stream_coalesce_ms)
+    admission: Admission | None = None  # the direct path's bound on running + waiting requests
+    limits: Limits | None = None  # per-key rate limits (auth.rate_limit)
+    disaggregated: Disaggregated | None = None  # a disaggregated model's decode side: its prefill pool
+    migration: str = "off"  # stream_migration: greedy | all | off
+    resume_to: Call | None = None  # where a resumed stream's continuation goes (one of the model's replicas)
+    chat_parsers: bool = False  # a reasoning or tool parser shapes chat deltas (those streams are not resumed)
+    runtime_lora: RuntimeAdapters | None = None  # adapters loaded at run time (lora.runtime_loading)
+    metrics: ReplicaMetrics | None = None  # serving metrics (monitoring.metrics)
+    tracing: Tracing | None = None  # traces (monitoring.tracing)
+
+
+class ReplicaFront(Entry):
+    """The replica's ASGI app (vLLM's app was started with its engine: nothing to start at lifespan)."""
+
+    def __init__(self, engine: EngineSide, table: ModelTable, options: FrontOptions | None = None):
+        super().__init__(self._route)
+        self.engine, self.table, self.options = engine, table, options or FrontOptions()
+        self.relaying = 0  # streams this replica is resuming elsewhere and relaying to their clients
+        self._openapi: dict | None = None
+        o = self.options
+        self._authenticate = authenticate(o.keys)
+        self._request_steps = [bounded_body(), resolve_model(table.names), rate_limit(o.limits)]
+        self._replica_steps = [
+            self._engine_alive,
+            self._measured,
+            self._admitted,
+            self._adapter_loaded,
+            *([prefill_first(o.disaggregated)] if o.disaggregated is not None else []),
+            resumable_stream(o.migration, o.resume_to, o.chat_parsers, engine.detokenizer, engine.replica_id),
+        ]
+
+    async def _route(self, ctx: RequestContext) -> None:
+        if ctx.path == "/health":
+            await send_plain(ctx.send, 503 if self.engine.dead() else 200)
+            return
+        if ctx.path == "/openapi.json" and ctx.method == "GET":  # what a client may send (public, as vLLM's own)
+            await send_json(ctx.send, 200, self.openapi())
+            return
+        await run_steps([self._authenticate], ctx)
+        if ctx.method == "GET" and ctx.path == "/v1/models":
+            await send_json(ctx.send, 200, await self.table.listing(await self._vllm_models(ctx)))
+        elif ctx.path in RUNTIME_LORA_ROUTES and self.options.runtime_lora is not None:
+            await self._runtime_lora(ctx)
+        elif ctx.path.startswith(BATCH_PREFIXES):
+            await to_batch_api(ctx, self.options.batch_api)
+        elif ctx.method == "POST" and ctx.path in POST_ROUTES:
+            await self._generate(ctx)
+        else:
+            raise not_served(ctx)
+
+    async def _generate(self, ctx: RequestContext) -> None:
+        await run_steps(self._request_steps, ctx)
+        if not self.table.serves(ctx.model):  # a body cut at HAProxy's buffer, or a stale route
+            await to_model_replica(ctx, ctx.model, self.options.forward, self.table.model)
+            return
+        await run_steps(self._replica_steps, ctx)
+        await EngineCall(self, ctx).run()
+
+    # the replica's steps
+
+    async def _engine_alive(self, ctx: RequestContext) -> OpenAIError | None:
+        if self.engine.dead():
+            return OpenAIError.unavailable("The model engine of this replica has died; it is being replaced. Retry.")
+        return None
+
+    async def _measured(self, ctx: RequestContext) -> None:
+        """A generation request's metrics and trace (monitoring:), ended with the request."""
+        o = self.options
+        if ctx.path in PD_ROUTES and (o.metrics is not None or o.tracing is not None):
+            ctx.watch = RequestWatch(
+                o.metrics, o.tracing, ctx.scope, ctx.headers, self.engine.replica_id, self.table.model, ctx.internal
+            )
+            ctx.exits.callback(ctx.watch.end)
+
+    async def _admitted(self, ctx: RequestContext) -> OpenAIError | None:
+        """Waits for a place among the replica's running requests (direct path), or refuses when the queue is full."""
+        admission = self.options.admission
+        if admission is None:
+            return None
+        if admission.full():
+            if self.options.metrics is not None:
+                self.options.metrics.overload_rejection()
+            return admission.reject(self.table.model)
+        queued_ns = time.time_ns()
+        await ctx.exits.enter_async_context(admission.slot())
+        if ctx.watch is not None:
+            ctx.watch.span("summit.queue", queued_ns, time.time_ns())
+        return None
+
+    async def _adapter_loaded(self, ctx: RequestContext) -> OpenAIError | None:
+        """One of this model's LoRA adapters: loaded into the engine (held while the request runs)."""
+        adapters, name = self.table.adapters, ctx.payload.get("model")
+        if adapters is None or name not in adapters.paths:
+            return None
+        try:
+            await ctx.exits.enter_async_context(adapters.use(name))
+        except AdapterLoadError as e:  # the YAML's adapter, not the request, is at fault
+            logger.error("%s", e)
+            return OpenAIError(500, str(e))
+        return None
+
+    # other routes
+
+    def openapi(self) -> dict:
+        if self._openapi is None:
+            self._openapi = build_openapi(
+                self.engine.app.openapi(),
+                POST_ROUTES,
+                self.options.batch_api is not None,
+                self.options.keys is not None,
+                runtime_lora=self.options.runtime_lora is not None,
+            )
+        return self._openapi
+
+    async def _vllm_models(self, ctx: RequestContext) -> tuple[int, bytes] | None:
+        """vLLM's own /v1/models answer on this replica (status, body)."""
+        captured: dict = {"status": None, "body": []}
+
+        async def capture(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                captured["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                captured["body"].append(message.get("body", b""))
+
+        scope = {**ctx.scope, "headers": [(k, v) for k, v in ctx.headers if k != b"authorization"]}
+        await self.engine.app(scope, ctx.receive, capture)
+        return captured["status"], b"".join(captured["body"])
+
+    async def _runtime_lora(self, ctx: RequestContext) -> None:
+        """vLLM's adapter routes (lora.runtime_loading): loaded here, or by a replica of the adapter's model."""
+        if ctx.method != "POST":
+            raise OpenAIError(405, f"{ctx.method} {ctx.path} is not served; use POST")
+        ctx.body = await read_body(ctx.receive, MAX_BODY_BYTES)
+        try:
+            payload = json.loads(ctx.body) if ctx.body else None
+        except (ValueError, RecursionError):
+            payload = None
+
+        async def forward(base: str) -> None:
+            await to_model_replica(ctx, base, self.options.forward, self.table.model)
+
+        answered = await self.options.runtime_lora.handle(self.table, ctx.path, payload, forward)
+        if answered is not None:  # vLLM's server answers these routes with plain text
+            status, text = answered
+            data = text.encode()
+            await ctx.send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"content-length", str(len(data)).encode()),
+                    ],
+                }
+            )
+            await ctx.send({"type": "http.response.body", "body": data, "more_body": False})
