@@ -115,7 +115,8 @@ def free_port_window(low: int, high: int, size: int = 100) -> int:
 
 def haproxy_env(state_dir: Path) -> dict[str, str]:
     """Serve's HAProxy option with this cluster's own files and ports: by default HAProxy keeps its config and admin
-    socket under /tmp/haproxy-serve and its stats and metrics on ports 8404 / 9101, one set per machine.
+    socket under /tmp/haproxy-serve, its stats and metrics on ports 8404 / 9101 and its fallback proxy on 8500 / 9500,
+    one set per machine.
 
     Keep `state_dir` short: Serve adds a 56-character node id below it and HAProxy refuses socket paths over 97."""
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -128,6 +129,12 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        # The head's fallback Serve proxy, HAProxy's `backup` server while an app has no ready replica. Its default
+        # ports (8500 / 9500) are one per machine and bound with SO_REUSEPORT: two clusters' fallback proxies would
+        # share them and the kernel would hand one cluster's requests to the other's apps (seen in CI: a replaced
+        # replica's requests answered "model does not exist" by another test cluster).
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         # stats and metrics on loopback (app/clusters/haproxy.py), as scripts/serve.sh runs it
         "RAY_SERVE_HAPROXY_BINARY_PATH": shutil.which("summit-haproxy") or "",
         # replicas' own HTTP and gRPC ports: a window per cluster (Serve's default 30000+ / 40000+ is one per machine,

@@ -75,16 +75,6 @@ def drop_one_stream(client, llm_handle, summit) -> tuple[str, str]:
     )
     first = next(iter(control_stream))
     dropped_id = f"abort-test-{time.time_ns()}"
-    dropped = client.completions.create(
-        model=MODEL,
-        prompt="Dropped",
-        max_tokens=DROPPED_TOKENS,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers={"x-request-id": dropped_id},
-    )
-    for _, _ in zip(range(3), dropped):
-        pass
 
     def run_control():
         try:
@@ -111,10 +101,21 @@ def drop_one_stream(client, llm_handle, summit) -> tuple[str, str]:
             return "finished first"
         return None
 
-    # the engine crawls (paused but 2 ms of every 250) from here until the replica has seen the disconnect: the
-    # dropped stream cannot finish first, however slowly the disconnect crosses HAProxy on a loaded box, and it keeps
-    # flowing (a replica sees its client's disconnect when it writes)
+    # the engine crawls (paused but 2 ms of every 250) from before the dropped stream starts until the replica has
+    # seen the disconnect: the dropped stream cannot finish first, however slowly the throttle starts or the
+    # disconnect crosses HAProxy on a loaded box, and it keeps flowing (a replica sees its client's disconnect when it
+    # writes). (Throttled only after its first chunks, a CI run's dropped stream ran whole while the throttle started.)
     with Throttle(model_engine_cores(summit, MODEL)):
+        dropped = client.completions.create(
+            model=MODEL,
+            prompt="Dropped",
+            max_tokens=DROPPED_TOKENS,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            extra_headers={"x-request-id": dropped_id},
+        )
+        for _, _ in zip(range(3), dropped):
+            pass
         dropped.close()  # the client goes away mid-stream
         thread.start()
         # generous: on a loaded 2-core box the disconnect crosses HAProxy -> replica slowly

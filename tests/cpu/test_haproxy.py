@@ -219,22 +219,44 @@ def test_each_replicas_own_port_wants_the_key_too(behind_haproxy):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
 
 
+def fallback_proxy_port(cluster: LocalCluster) -> int:
+    """The port of HAProxy's `backup` server (Serve's fallback proxy, which answers while an app has no ready
+    replica): the cluster's own, never Serve's machine-wide default 8500 (app/clusters/job_env.haproxy_env)."""
+    import re
+
+    config = next((cluster.temp_dir / "h").rglob("haproxy.cfg")).read_text()
+    ports = {int(p) for p in re.findall(r"server SERVE_PROXY_ACTOR-fallback\S* \S+:(\d+) check backup", config)}
+    assert ports == {int(cluster.env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"])}, config
+    return ports.pop()
+
+
 def test_no_http_entry_listens_beyond_loopback(behind_haproxy):
-    """HAProxy (client port, stats, metrics) and the replicas' own HTTP ports bind loopback; from the machine's other
-    addresses, if it has any, each of those ports refuses the connection. (Not covered, and not Summit's to move:
-    every Serve replica's inter-deployment gRPC server binds [::]:0 in Ray 2.60 — docs/operations/security.md.)"""
+    """HAProxy (client port, stats, metrics), the replicas' own HTTP ports and the cluster's own fallback proxy (its
+    port from the cluster's environment: another cluster on the machine would share Serve's default) bind loopback;
+    from the machine's other addresses, if it has any, each of those ports refuses the connection. (Not covered, and
+    not Summit's to move: every Serve replica's inter-deployment gRPC server binds [::]:0 in Ray 2.60 —
+    docs/operations/security.md.)"""
     import socket
 
     import psutil
 
     listening = {c.laddr.port: c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid}
-    haproxy = {port for port, c in listening.items() if psutil.Process(c.pid).name() == "haproxy"}
+
+    def name(pid: int) -> str | None:
+        try:
+            return psutil.Process(pid).name()
+        except psutil.NoSuchProcess:  # a process that has exited since the list (another test's, a replaced replica)
+            return None
+
+    haproxy = {port for port, c in listening.items() if name(c.pid) == "haproxy"}
     assert {
         behind_haproxy.http_port,
         int(behind_haproxy.env["RAY_SERVE_HAPROXY_STATS_PORT"]),
         int(behind_haproxy.env["RAY_SERVE_HAPROXY_METRICS_PORT"]),
     } <= haproxy
-    entries = haproxy | {port for _, port in replica_ports(behind_haproxy)}
+    fallback = fallback_proxy_port(behind_haproxy)
+    assert fallback in listening, f"the fallback proxy's port {fallback} (HAProxy's backup server) is not listening"
+    entries = haproxy | {port for _, port in replica_ports(behind_haproxy)} | {fallback}
     wide = [
         (port, listening[port].laddr.ip)
         for port in entries
