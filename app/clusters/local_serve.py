@@ -1,7 +1,8 @@
 """`summit serve-local CONFIG` (README command 1): `serve run` a Serve YAML on a private Ray instance of this machine,
-say when its engines answer, and stop it on Ctrl-C — at once when no client is connected, else once the clients'
-connections have closed (their streams ended); a second Ctrl-C stops it at once. Every process it started goes with
-it.
+say when its engines answer, and stop it on Ctrl-C — at once when no request is in flight, else once the requests in
+flight have ended (streams run to their end); a second Ctrl-C stops it at once. Every process it started goes with
+it. On the direct path HAProxy's admin socket says what is in flight (a client's idle keep-alive connection, an open
+chat window, holds nothing up); without HAProxy, open client connections stand for requests.
 
 `serve run` runs in a session of its own, so that the terminal's Ctrl-C reaches this process only: sent to the whole
 process group, it also reached Ray's daemons and workers mid-shutdown, and `serve run` then waited out its 30 s
@@ -9,11 +10,16 @@ shutdown timeout for a controller that could no longer finish."""
 
 from __future__ import annotations
 
+import csv
+import io
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 import psutil
@@ -37,6 +43,44 @@ def connections_to(port: int) -> int:
             if len(fields) > 3 and fields[3] == _TCP_ESTABLISHED and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 count += 1
     return count
+
+
+def haproxy_socket(started: float) -> Path | None:
+    """The admin socket of the HAProxy this server started (Serve puts it in a folder named by the node's id under
+    RAY_SERVE_HAPROXY_SOCKET_PATH's folder): the newest one made since `started` (a time.time())."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return None
+    configured = Path(os.environ.get("RAY_SERVE_HAPROXY_SOCKET_PATH", "/tmp/haproxy-serve/admin.sock"))
+    found = []
+    for path in configured.parent.glob(f"*/{configured.name}"):
+        try:
+            made = path.stat().st_mtime
+        except OSError:
+            continue
+        if made >= started - 1:
+            found.append((made, path))
+    return max(found)[1] if found else None
+
+
+def haproxy_in_flight(sock: Path) -> int | None:
+    """Requests HAProxy is forwarding or queueing now (its backends' current and queued streams, `show stat`); None
+    when its socket does not answer. A stream ends with its response: idle keep-alive connections are not counted."""
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(str(sock))
+            s.sendall(b"show stat\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    except OSError:
+        return None
+    rows = csv.DictReader(io.StringIO(data.decode(errors="replace").removeprefix("# ")))
+    return sum(
+        int(row.get("scur") or 0) + int(row.get("qcur") or 0)
+        for row in rows
+        if row.get("svname") == "BACKEND" and row.get("pxname") != "stats"
+    )
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -63,9 +107,17 @@ def _stop(procs: list[psutil.Process], grace_s: float = 2.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def in_flight(port: int, started: float) -> tuple[int, str]:
+    """(count, what it counts): requests in flight at HAProxy, or else open client connections to `port`."""
+    sock = haproxy_socket(started)
+    busy = haproxy_in_flight(sock) if sock else None
+    return (busy, "request(s) in flight") if busy is not None else (connections_to(port), "open connection(s)")
+
+
 def serve_local(config: str, timeout_s: float = 1800) -> int:
     url = base_url(config)
     port = urlparse(url).port or 8000
+    started = time.time()
     server = subprocess.Popen(["serve", "run", "-a", "local", config], start_new_session=True)
     known: dict[int, psutil.Process] = {}  # the server's processes seen so far (Ray's daemons outlive their parent)
     interrupts: list[float] = []
@@ -80,12 +132,12 @@ def serve_local(config: str, timeout_s: float = 1800) -> int:
             known.update({p.pid: p for p in _tree(server.pid)})
             looked = time.monotonic()
         if interrupts and not draining:
-            busy = connections_to(port)
+            busy, what = in_flight(port, started)
             if busy == 0:
                 print("summit: stopping (no request in flight)", file=sys.stderr, flush=True)
                 break
             print(
-                f"summit: draining: stopping once {busy} open connection(s) close; Ctrl-C again stops now",
+                f"summit: draining: stopping once {busy} {what} end; Ctrl-C again stops now",
                 file=sys.stderr,
                 flush=True,
             )
@@ -93,7 +145,7 @@ def serve_local(config: str, timeout_s: float = 1800) -> int:
         elif draining and len(interrupts) > 1:
             print("summit: stopping now", file=sys.stderr, flush=True)
             break
-        elif draining and connections_to(port) == 0:
+        elif draining and in_flight(port, started)[0] == 0:
             print("summit: drained; stopping", file=sys.stderr, flush=True)
             break
         time.sleep(0.2)
