@@ -4,11 +4,14 @@
 # module, and the session app's modules together, run on one worker (tests/conftest.py's scheduler).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/test_packages.sh
+# the system packages (apt) beside the Python set-up (pip): neither waits for the other
+bash scripts/test_packages.sh &
+packages=$!
 SUMMIT_EXTRAS=${SUMMIT_EXTRAS:-cpu},test bash scripts/setup.sh
 . "${SUMMIT_VENV:-.venv}/bin/activate"
 ruff check app deployments tests bench scripts
 ruff format --check app deployments tests bench scripts
 lint-imports
+wait "$packages"
 exec python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=40 \
   -n "${SUMMIT_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"

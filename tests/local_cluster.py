@@ -207,7 +207,9 @@ class LocalCluster:
                 break
             time.sleep(5)
         else:
-            raise RuntimeError(f"serve deploy failed: {deploy.stderr[-2000:] or deploy.stdout[-2000:]}")
+            raise RuntimeError(
+                f"serve deploy failed: {deploy.stderr[-2000:] or deploy.stdout[-2000:]}\n{self._dashboard_story()}"
+            )
 
         # A redeploy keeps answering from the old replicas: wait until Serve has taken this deploy and reports
         # every app RUNNING (or one DEPLOY_FAILED, raised), and the HTTP path answers.
@@ -217,6 +219,20 @@ class LocalCluster:
             return self._apps_running(before) and _http_ok(self.base_url + ready_path)
 
         self._wait(ready, timeout_s, "Serve application")
+
+    def _dashboard_story(self) -> str:
+        """Whether the dashboard still answers, and the end of its logs (a CI run's dashboard stopped answering
+        between the cluster's start and the deploy)."""
+        logs = self.temp_dir / "session_latest" / "logs"
+        tails = [
+            f"--- {f.name}:\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:])
+            for f in sorted(logs.glob("dashboard*"))
+            if f.is_file() and f.stat().st_size
+        ]
+        answers = _http_ok(self.dashboard_url + "/api/version")
+        return f"dashboard {self.dashboard_url} answers: {answers}; ray start exited: {self.proc.poll()}\n" + "\n".join(
+            tails
+        )
 
     def serve_applications(self) -> dict:
         """Serve's view of the applications ({} while the dashboard cannot say)."""

@@ -40,7 +40,7 @@ from deployments.engine.kv import (
     kv_connector_names,
     kv_transfer_config,
 )
-from deployments.engine.lora import load_adapter, unload_adapter
+from deployments.engine.lora import adapters_in_engine, load_adapter, unload_adapter
 from deployments.engine.metrics import (
     engine_metric_samples,
     generation_tokens,
@@ -78,6 +78,7 @@ __all__ = [
     "kv_connector",
     "kv_connector_names",
     "kv_transfer_config",
+    "adapters_in_engine",
     "load_adapter",
     "logger",
     "num_unfinished_requests",

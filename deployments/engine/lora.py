@@ -43,3 +43,14 @@ async def unload_adapter(engine_app: EngineApp, name: str) -> None:
     await models.unload_lora_adapter(unload(lora_name=name))
     if known is not None:
         await engine_app.engine.remove_lora(known.lora_int_id)
+
+
+async def adapters_in_engine(engine_app: EngineApp) -> dict[str, list[str]]:
+    """The engine's own view of the adapters: `registered`, the names vLLM's OpenAI app serves; `in_engine`, those
+    whose weights the engine holds now (its LoRA cache, `list_loras`)."""
+    models = engine_app.app.state.openai_serving_models
+    ids = set(await engine_app.engine.list_loras())
+    return {
+        "registered": sorted(models.lora_requests),
+        "in_engine": sorted(name for name, req in models.lora_requests.items() if req.lora_int_id in ids),
+    }

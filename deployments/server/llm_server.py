@@ -59,6 +59,7 @@ class LLMServer:
         self._engine_app = await self._start_engine(model, source)
         self._tracing = Tracing(monitoring.tracing)
         table = self._model_table(model)
+        self._adapters = table.adapters
         options = self._front_options(model)
         self._front = ReplicaFront(
             EngineSide(
@@ -225,6 +226,14 @@ class LLMServer:
             "kv_cache_usage": engine.kv_cache_usage(),
             "generation_tokens": engine.generation_tokens(),
         }
+
+    async def adapters(self) -> dict:
+        """This replica's LoRA adapters: `loaded`, what Summit holds loaded (and reports to the routers), beside the
+        engine's own view (deployments/engine/lora.adapters_in_engine)."""
+        if self._adapters is None:  # a model without `lora:`: its engine runs no LoRA
+            return {"replica_id": self._replica_id, "loaded": [], "registered": [], "in_engine": []}
+        loaded = self._adapters.loaded()
+        return {"replica_id": self._replica_id, "loaded": loaded, **await engine.adapters_in_engine(self._engine_app)}
 
     def recent_spans(self, trace_id: str | None = None) -> dict:
         """The spans this replica recorded (of one trace), with `monitoring.tracing.exporter: memory` (tests)."""

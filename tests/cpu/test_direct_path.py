@@ -166,6 +166,6 @@ def test_models_of_different_shapes_fall_back_to_two_hops(tiny_model_dir):
         # a dead engine on this path too: clean 503s from the replica's front through the ingress, then a new replica
         before = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
         ((replica_id, stats),) = before.items()
-        kill_engine_and_wait_for_answers(cluster.base_url, "tiny-c", stats["pid"])
+        kill_engine_and_wait_for_answers(cluster.base_url, "tiny-c", stats["pid"], replica_id)
         after = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
         assert replica_id not in after

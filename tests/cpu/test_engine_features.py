@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from app.clusters.tiny_model import make_tiny_lora, make_tiny_model
-from tests.cpu.engine_apps import deployed, running_replicas, tiny_model, wait_for
+from tests.cpu.engine_apps import APP, deployed, running_replicas, serve_log_matches, tiny_model, wait_for
+from tests.replica_probe import probe
 
 MODEL = "tiny-feat"
 ADAPTERS = ("tiny-sql", "tiny-poet")
@@ -343,3 +344,32 @@ def test_an_adapter_loaded_at_run_time_is_served_routed_and_unloaded(features_ap
     assert wait_for(lambda: all(refused() for _ in range(6)), 20, 0.5), "the unloaded adapter is a 404 everywhere"
     gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": RUNTIME}, headers=AUTH, timeout=60)
     assert gone.status_code == 404, gone.text
+
+
+def test_a_full_replica_unloads_its_least_recently_used_idle_adapter(features_app, client, tiny_model_dir, tmp_path):
+    """Five adapters (the YAML's two and three loaded at run time) over the model's two replicas, two slots each
+    (max_loras): at least one replica must make room. Its idle adapter leaves Summit's books (what the routers see),
+    vLLM's OpenAI app and the engine's LoRA cache alike; an adapter made room for answers as before when asked again."""
+    extra = [f"tiny-extra-{i}" for i in range(3)]
+    for seed, name in enumerate(extra, start=11):
+        load = {"lora_name": name, "lora_path": str(make_tiny_lora(tiny_model_dir, tmp_path / name, seed=seed))}
+        r = httpx.post(features_app.base_url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+    assert wait_for(lambda: all(set(extra) <= set(_listed(client)) for _ in range(12)), 20, 0.5)
+    names = [*ADAPTERS, *extra]
+    first = {name: complete(client, name)[0] for name in names}
+    again = {name: complete(client, name)[0] for name in names}  # each asked twice: reloads where it was unloaded
+    assert again == first, "an adapter answered differently after it was unloaded and loaded again"
+    assert serve_log_matches(features_app, "unloaded to make room"), "5 adapters in 4 slots: no replica made room"
+    replicas = probe(features_app.address, "each", APP, POOL, "adapters", "--replicas", str(3 + len(ARCHS)))
+    for replica in replicas.values():
+        assert len(replica["loaded"]) <= 2, replica
+        # Summit's books are the engine's: what it serves and what it holds
+        assert sorted(replica["loaded"]) == replica["registered"] == replica["in_engine"], replica
+    for name in extra:
+        assert (
+            httpx.post(
+                features_app.base_url + "/v1/unload_lora_adapter", json={"lora_name": name}, headers=AUTH, timeout=60
+            ).status_code
+            == 200
+        )

@@ -12,6 +12,6 @@ from tests.engine_checks import kill_engine_and_wait_for_answers
 
 def test_killed_engine_is_replaced(summit, llm_handle):
     before = llm_handle.stats.remote().result()
-    kill_engine_and_wait_for_answers(summit.base_url, MODEL, before["pid"])
+    kill_engine_and_wait_for_answers(summit.base_url, MODEL, before["pid"], before["replica_id"])
     after = llm_handle.stats.remote().result()
     assert after["replica_id"] != before["replica_id"] and after["pid"] != before["pid"]
