@@ -110,15 +110,16 @@ def test_scales_up_under_load_and_back_down(summit_scaling, http):
     with ThreadPoolExecutor(5) as pool:  # 5 ongoing against a target of 3, under the 6 one replica admits
         workers = [pool.submit(keep_loading) for _ in range(5)]
         try:
-            # a second engine starts in 1-2 minutes on 2 busy cores
-            scaled = wait_for(lambda: len(running_replicas(summit_scaling, deployment)) == 2, 300, interval_s=1)
+            # a second engine starts in 1-2 minutes on 2 busy cores; a fresh-clone run on an overloaded box (load
+            # average 80) took more than 5: a guard against a hang, not a timing claim
+            scaled = wait_for(lambda: len(running_replicas(summit_scaling, deployment)) == 2, 600, interval_s=1)
             served_by_both = scaled and wait_for(lambda: len(answered) == 2, 60, interval_s=1)
         finally:
             stop.set()
         for w in workers:
             w.result(timeout=180)
     assert not errors, f"{len(errors)} requests failed under load, e.g. {errors[:3]}"
-    assert scaled, "no second replica within 300 s of sustained load"
+    assert scaled, "no second replica within 600 s of sustained load"
     assert served_by_both, f"the new replica took no request: {answered}"
 
     assert wait_for(lambda: len(running_replicas(summit_scaling, deployment)) == 1, 180, interval_s=1), (
