@@ -83,7 +83,7 @@ def haproxy_in_flight(sock: Path) -> int | None:
     )
 
 
-def _tree(pid: int) -> list[psutil.Process]:
+def process_tree(pid: int) -> list[psutil.Process]:
     try:
         root = psutil.Process(pid)
         return [root, *root.children(recursive=True)]
@@ -129,7 +129,7 @@ def serve_local(config: str, timeout_s: float = 1800) -> int:
     draining, looked = False, 0.0
     while server.poll() is None:
         if time.monotonic() - looked > 2:
-            known.update({p.pid: p for p in _tree(server.pid)})
+            known.update({p.pid: p for p in process_tree(server.pid)})
             looked = time.monotonic()
         if interrupts and not draining:
             busy, what = in_flight(port, started)
@@ -149,6 +149,6 @@ def serve_local(config: str, timeout_s: float = 1800) -> int:
             print("summit: drained; stopping", file=sys.stderr, flush=True)
             break
         time.sleep(0.2)
-    known.update({p.pid: p for p in _tree(server.pid)})
+    known.update({p.pid: p for p in process_tree(server.pid)})
     _stop([p for p in known.values() if p.is_running()])
     return 0 if interrupts else (server.returncode or 0)

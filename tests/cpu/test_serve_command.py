@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from app.clusters.job_env import free_port, haproxy_env
+from app.clusters.local_serve import process_tree
 from tests.cpu.engine_apps import REPO
 from tests.engine_checks import Throttle
 
@@ -104,7 +105,7 @@ def served(tiny_model_dir):
     try:
         yield term, port, processes
     finally:
-        for proc in [*processes.values(), *_tree(term.pid)]:  # what a failed test left running
+        for proc in [*processes.values(), *process_tree(term.pid)]:  # what a failed test left running
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -115,14 +116,6 @@ def served(tiny_model_dir):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def test_serve_command_says_ready_answers_and_ctrl_c_drains_only_requests_in_flight(served):
     term, port, processes = served
     assert term.wait_for_text("summit: ready", 900), term.tail()
@@ -130,7 +123,7 @@ def test_serve_command_says_ready_answers_and_ctrl_c_drains_only_requests_in_fli
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=8).usage.completion_tokens == 8
-    processes.update({p.pid: p for p in _tree(term.pid)})  # Ray's daemons leave the tree when their parent goes
+    processes.update({p.pid: p for p in process_tree(term.pid)})  # Ray's daemons leave the tree when their parent goes
     cores = [p for p in processes.values() if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
     assert cores, "the server should run a vLLM EngineCore process"
 
