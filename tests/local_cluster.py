@@ -34,10 +34,17 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "DO_NOT_TRACK": "1",
             # Ray waits 30 s for its GCS to write its port; a loaded 2-core CI box took longer once
             "RAY_gcs_server_port_wait_time_s": os.environ.get("RAY_gcs_server_port_wait_time_s", "120"),
+            # a raylet exits when its GCS has not answered for this long (Ray's default: 60 s); a CI run's head node
+            # died a minute after its start on a loaded box
+            "RAY_gcs_rpc_server_reconnect_timeout_s": os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", "300"),
         }
     )
     env.update(extra or {})
     return env
+
+
+class ClusterDied(RuntimeError):
+    """The head node's `ray start --block` exited (its raylet, GCS or an agent died)."""
 
 
 class DeployFailed(RuntimeError):
@@ -78,9 +85,28 @@ class LocalCluster:
     def base_url(self) -> str:
         return f"http://{self.node_ip}:{self.http_port}"
 
-    def start(self, timeout_s: float = 300) -> LocalCluster:
-        log = open(self.temp_dir / "ray-start.log", "wb")
-        self._shm_before = _shared_memory()
+    def start(self, timeout_s: float = 300, attempts: int = 3) -> LocalCluster:
+        """Start the head node; a head that dies while it starts (a loaded 2-core box: its raylet gave up on its GCS
+        or agent once) is started again, on fresh ports, up to `attempts` times."""
+        for attempt in range(attempts):
+            try:
+                self._launch(timeout_s)
+                return self
+            except ClusterDied:
+                if attempt == attempts - 1:
+                    raise
+                self._relaunch_ports()
+        return self
+
+    def _relaunch_ports(self) -> None:
+        """Kill what the dead start left and take fresh ports (the HTTP port stays: configs carry it)."""
+        self._kill_all()
+        self.gcs_port, self.dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
+
+    def _launch(self, timeout_s: float) -> None:
+        log = open(self.temp_dir / "ray-start.log", "ab")
+        if not self._shm_before:
+            self._shm_before = _shared_memory()
         ports = {
             "--port": self.gcs_port,
             "--dashboard-port": self.dashboard_port,
@@ -111,8 +137,12 @@ class LocalCluster:
         if self.num_gpus is not None:
             cmd += ["--num-gpus", str(self.num_gpus)]
         self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait(lambda: _http_ok(self.dashboard_url + "/api/version"), timeout_s, "Ray dashboard")
-        return self
+        # ready: the dashboard answers and the head node is alive in the state API (its raylet registered)
+        self._wait(
+            lambda: _http_ok(self.dashboard_url + "/api/version") and bool(self.alive_nodes()),
+            timeout_s,
+            "Ray head node",
+        )
 
     def add_worker(
         self,
@@ -197,6 +227,10 @@ class LocalCluster:
         names = {a.get("name", "default") for a in config.get("applications", [])}
         before = {name: a.get("last_deployed_time_s") for name, a in self.serve_applications().items() if name in names}
         for attempt in range(6):  # the dashboard answers /api/version before its Serve endpoint is ready
+            if self.proc is not None and self.proc.poll() is not None and not before and not self.workers:
+                # the head died before anything was deployed on it: start it again (once per attempt)
+                self._relaunch_ports()
+                self._launch(300)
             deploy = subprocess.run(
                 ["serve", "deploy", str(path), "-a", self.dashboard_url],
                 env=self._env(),
@@ -276,20 +310,7 @@ class LocalCluster:
         """Kill every process this cluster started (by PID, SIGKILL: a test cluster's state is thrown away, and
         `serve shutdown` + SIGTERM took ≈ 50 s of each module's teardown), free the shared memory its engines left,
         then remove its temp dir."""
-        if self.proc is not None and self.proc.poll() is None:
-            # Ray's daemons and workers run in sessions of their own: collect every descendant first, then kill
-            procs = []
-            for root in [*self.workers, self.proc]:
-                if root.poll() is None:
-                    try:
-                        procs += [psutil.Process(root.pid)] + psutil.Process(root.pid).children(recursive=True)
-                    except psutil.NoSuchProcess:
-                        pass
-            for p in procs:
-                _signal(p, signal.SIGKILL)
-            psutil.wait_procs(procs, timeout=20)
-            for root in [*self.workers, self.proc]:
-                root.poll()  # reap: no zombie `ray start`
+        self._kill_all()
         _free_shared_memory(self._shm_before)
         if keep := os.environ.get("SUMMIT_KEEP_LOGS"):  # a failure's story: the cluster's logs, kept under that folder
             logs = self.temp_dir / "session_latest" / "logs"
@@ -297,11 +318,31 @@ class LocalCluster:
                 shutil.copytree(logs, Path(keep) / self.temp_dir.name, dirs_exist_ok=True)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
+    def _kill_all(self) -> None:
+        """SIGKILL the head's and workers' `ray start` and every descendant (Ray's daemons and workers run in
+        sessions of their own: collect them all first, then kill)."""
+        roots = [r for r in [*self.workers, self.proc] if r is not None]
+        procs = []
+        for root in roots:
+            try:
+                procs += [psutil.Process(root.pid)] + psutil.Process(root.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        # a head whose `ray start` exited leaves nothing to walk down from (its agents outlive it): every process
+        # of this cluster carries its temp dir in VLLM_RPC_BASE_PATH (see _env)
+        procs += [p for p in psutil.process_iter() if _environ(p).get("VLLM_RPC_BASE_PATH") == str(self.temp_dir)]
+        procs = [p for p in procs if p.pid != os.getpid()]
+        for p in procs:
+            _signal(p, signal.SIGKILL)
+        psutil.wait_procs(procs, timeout=20)
+        for root in roots:
+            root.poll()  # reap: no zombie `ray start`
+
     def _wait(self, ready, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}; see {self.temp_dir}/ray-start.log")
+                raise ClusterDied(f"ray start exited with {self.proc.returncode}; see {self.temp_dir}/ray-start.log")
             if ready():
                 return
             time.sleep(1)
@@ -313,6 +354,13 @@ def _signal(proc: psutil.Process, sig: int) -> None:
         proc.send_signal(sig)
     except psutil.NoSuchProcess:
         pass
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except (psutil.Error, OSError):
+        return {}
 
 
 def _shared_memory() -> set[str]:
