@@ -54,13 +54,7 @@ def deployed(
     cluster = LocalCluster(
         num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})}, haproxy=haproxy
     )
-    config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
-    # vLLM's CPU platform lets this legacy variable (1 GiB in the shipped YAML) override kv_cache_memory_bytes.
-    config["applications"][0]["runtime_env"]["env_vars"].pop("VLLM_CPU_KVCACHE_SPACE", None)
-    config["applications"][0]["args"]["models"] = models
-    if not batch:
-        config["applications"][0]["args"].pop("batch", None)
-    config["applications"][0]["args"].update(args or {})
+    config = app_config(models, batch, args)
     cluster.serve_config = config  # for a test's redeploy with a change
     try:
         cluster.start()
@@ -70,6 +64,19 @@ def deployed(
         yield cluster
     finally:
         cluster.stop()
+
+
+def app_config(models: list[dict], batch: bool = False, args: dict | None = None) -> dict:
+    """The shipped YAML (serve_configs/tiny-cpu.yaml) serving `models`; `batch`: keep its Batch API; `args`: more of
+    the app's args."""
+    config = load_serve_config(REPO / "serve_configs/tiny-cpu.yaml")
+    # vLLM's CPU platform lets this legacy variable (1 GiB in the shipped YAML) override kv_cache_memory_bytes.
+    config["applications"][0]["runtime_env"]["env_vars"].pop("VLLM_CPU_KVCACHE_SPACE", None)
+    config["applications"][0]["args"]["models"] = models
+    if not batch:
+        config["applications"][0]["args"].pop("batch", None)
+    config["applications"][0]["args"].update(args or {})
+    return config
 
 
 def deployment_details(cluster: LocalCluster, deployment: str) -> dict:

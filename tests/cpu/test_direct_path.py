@@ -4,8 +4,8 @@ picker chooses each request's replica by the body's model), on the real engine.
 One base URL serves both: each answer comes from a replica of the model the body names; nothing sits between
 HAProxy and the engine replicas (no OpenAIIngress; HAProxy's config pins requests to the engine replicas' ports);
 a body longer than HAProxy's routing buffer (its model cut off) is still answered by its model; a client that
-leaves a stream aborts the engine request; a YAML whose models differ in shape falls back to the two-hop path, where
-a dead engine is answered 503 + Retry-After and replaced.
+leaves a stream aborts the engine request; the app redeployed from a YAML whose models differ in shape falls back to
+the two-hop path, where a dead engine is answered 503 + Retry-After and replaced.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cpu.engine_apps import APP, deployed, deployment_details, tiny_model, wait_for
+from tests.cpu.engine_apps import APP, app_config, deployed, deployment_details, tiny_model, wait_for
 from tests.engine_checks import kill_engine_and_wait_for_answers
 from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
@@ -129,43 +129,48 @@ def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
     assert 1 <= made < 0.5 * (MAX_LEN - 100), f"the engines made {made} tokens for a stream left after 3 lines"
 
 
-def test_models_of_different_shapes_fall_back_to_two_hops(tiny_model_dir):
+def test_models_of_different_shapes_fall_back_to_two_hops(two_models):
+    """The module's cluster, its app redeployed (last: the direct-path tests are done) with models of two shapes and
+    the Batch API: the app moves to the two-hop path, as a user's `serve deploy` of the changed YAML moves it."""
+    cluster = two_models
     models = [tiny_model("tiny-a"), tiny_model("tiny-c", deployment={"num_cpus": 0.25})]
-    with deployed(models, tiny_model_dir, haproxy=True, batch=True) as cluster:
-        deployments = cluster.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"]
-        assert set(deployments) == {"OpenAIIngress", "LLMServer:tiny-a", "LLMServer:tiny-c", "BatchAPI", "BatchRunner"}
-        # the Batch API through the ingress: a multipart upload keeps its content type; lines go to each model's own
-        # deployment
-        client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        lines = [
-            {
-                "custom_id": f"h{i}",
-                "url": "/v1/completions",
-                "body": {"model": ["tiny-a", "tiny-c"][i % 2], "prompt": f"x {i}", "max_tokens": 2},
-            }
-            for i in range(6)
-        ]
-        infile = client.files.create(
-            file=("h.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())), purpose="batch"
-        )
-        batch = client.batches.create(input_file_id=infile.id, endpoint="/v1/completions", completion_window="1h")
-        assert wait_for(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 120)
-        batch = client.batches.retrieve(batch.id)
-        out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
-        assert batch.status == "completed" and sorted(x["custom_id"] for x in out) == sorted(
-            x["custom_id"] for x in lines
-        )
-        assert {x["custom_id"]: x["response"]["body"]["model"] for x in out} == {
-            x["custom_id"]: x["body"]["model"] for x in lines
+    cluster.serve_deploy(app_config(models, batch=True))
+    expected = {"OpenAIIngress", "LLMServer:tiny-a", "LLMServer:tiny-c", "BatchAPI", "BatchRunner"}
+
+    def two_hop_deployments() -> set[str]:  # the direct path's deployments leave once Serve has deleted them
+        return set(cluster.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"])
+
+    assert wait_for(lambda: two_hop_deployments() == expected, 120, 1), two_hop_deployments()
+    # the Batch API through the ingress: a multipart upload keeps its content type; lines go to each model's own
+    # deployment
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    lines = [
+        {
+            "custom_id": f"h{i}",
+            "url": "/v1/completions",
+            "body": {"model": ["tiny-a", "tiny-c"][i % 2], "prompt": f"x {i}", "max_tokens": 2},
         }
-        for name in ["tiny-a", "tiny-c"]:
-            r = httpx.post(
-                cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}, timeout=60
-            )
-            assert r.status_code == 200 and r.json()["model"] == name
-        # a dead engine on this path too: clean 503s from the replica's front through the ingress, then a new replica
-        before = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
-        ((replica_id, stats),) = before.items()
-        kill_engine_and_wait_for_answers(cluster.base_url, "tiny-c", stats["pid"], replica_id)
-        after = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
-        assert replica_id not in after
+        for i in range(6)
+    ]
+    infile = client.files.create(
+        file=("h.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())), purpose="batch"
+    )
+    batch = client.batches.create(input_file_id=infile.id, endpoint="/v1/completions", completion_window="1h")
+    assert wait_for(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 120)
+    batch = client.batches.retrieve(batch.id)
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert batch.status == "completed" and sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+    assert {x["custom_id"]: x["response"]["body"]["model"] for x in out} == {
+        x["custom_id"]: x["body"]["model"] for x in lines
+    }
+    for name in ["tiny-a", "tiny-c"]:
+        r = httpx.post(
+            cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}, timeout=60
+        )
+        assert r.status_code == 200 and r.json()["model"] == name
+    # a dead engine on this path too: clean 503s from the replica's front through the ingress, then a new replica
+    before = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
+    ((replica_id, stats),) = before.items()
+    kill_engine_and_wait_for_answers(cluster.base_url, "tiny-c", stats["pid"], replica_id)
+    after = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
+    assert replica_id not in after

@@ -6,10 +6,18 @@ Each case sends streams (`Load`) and sorts what each client saw: completed (ever
 OpenAI-shaped error answer), error event (an OpenAI error inside the stream, then its end), cut (the connection
 closed mid-stream: the client's HTTP library raises), hung (no end within the bound), lost (the stream ended
 without an error or all its tokens: what a client cannot tell from success). Figures: `FIGURES`, printed per case.
+
+Stream migration, first (the app is fresh): the engine under four temperature-0 streams (completions and chat, with and
+without token ids) is killed mid-stream; each client sees one uninterrupted stream equal, token for token, to the same
+request run without a fault, and no error. Its references go through HAProxy; the four struck streams go straight to
+one replica's own HTTP port (where HAProxy would forward them), so that one kill strikes all four: through HAProxy the
+route picker places each new stream only once the busy replica answers its load probe, seconds later on 2 cores.
+(The continuation itself, cut at any chunk, is checked on an in-process engine in test_migration.py.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import json
@@ -27,6 +35,7 @@ import pytest
 from tests.cpu.engine_apps import (
     deployed,
     deployment_details,
+    replica_ports,
     running_replicas,
     serve_log_lines,
     serve_log_matches,
@@ -34,6 +43,7 @@ from tests.cpu.engine_apps import (
     wait_for,
 )
 from tests.engine_checks import Throttle, engine_core_processes
+from tests.ray_metrics import scrape, total
 
 # Every case runs in CI. Streams are short; what must be in flight when a fault strikes is held there: the engines'
 # core processes crawl (`held`) from before the load until the fault, so a case cannot pass because its streams ended
@@ -266,8 +276,149 @@ def faults(tiny_model_dir):
     print("\nfault figures:", json.dumps(FIGURES, indent=1))
 
 
+# Stream migration (first case): the victim engine crawls until the strike (Throttle): no stream can end before it
+MIGRATION_TOKENS = 1500
+CASES = {
+    "completion+ids": ("/v1/completions", {"prompt": "The summit ridge in winter", "return_token_ids": True}),
+    "completion": ("/v1/completions", {"prompt": "A long descent from the col"}),
+    "chat+ids": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Tell me of the ridge"}], "return_token_ids": True},
+    ),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "And of the glacier"}]}),
+}
+
+
+async def run_streams(base_url: str, strike=None, request_ids: dict[str, str] | None = None) -> dict[str, dict]:
+    """The four temperature-0 streams of CASES at once, each read to its end: text, token ids (when asked), usage,
+    ids, errors, replica. One event loop reads them all (fair: with a thread each, on 2 cores, CI saw one stream's
+    reader 2,500 events ahead of another's); lines are parsed after the end. `strike(progress)`, when given, runs
+    beside the streams with each stream's lines so far."""
+    progress: dict[str, list[str]] = {name: [] for name in CASES}
+    replicas: dict[str, str | None] = {}
+
+    async def one(client: httpx.AsyncClient, name: str, path: str, extra: dict) -> None:
+        body = {
+            "model": MODEL,
+            "max_tokens": MIGRATION_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **extra,
+        }
+        headers = {"x-request-id": request_ids[name]} if request_ids else {}
+        async with client.stream("POST", path, json=body, headers=headers) as r:
+            replicas[name] = r.headers.get("x-summit-replica")
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    progress[name].append(line)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(120, connect=10)) as client:
+        streams = [asyncio.create_task(one(client, name, path, extra)) for name, (path, extra) in CASES.items()]
+        if strike is not None:
+            await strike(progress)
+        await asyncio.gather(*streams)
+    return {name: {**parsed(progress[name]), "replica": replicas[name]} for name in CASES}
+
+
+def parsed(lines: list[str]) -> dict:
+    seen = {"text": "", "ids": [], "usage": None, "errors": [], "chunk_ids": set(), "done": False, "events": 0}
+    for line in lines:
+        if line == "data: [DONE]":
+            seen["done"] = True
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            seen["errors"].append(chunk["error"])
+            continue
+        seen["chunk_ids"].add(chunk["id"])
+        seen["usage"] = chunk.get("usage") or seen["usage"]
+        for choice in chunk["choices"]:
+            seen["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            seen["ids"] += choice.get("token_ids") or []
+        seen["events"] += 1
+    return seen
+
+
+def strike_once(app, reference: dict[str, dict]) -> set[str]:
+    """The four streams to one replica, whose engine is killed once each has its first events; every stream must
+    still equal its reference. The streams resumed elsewhere (the replica's log and Ray's counter agree)."""
+    # the victim's engine processes are found before the streams start: Ray's state API takes seconds on 2 cores
+    answered: dict = {}
+
+    def a_replica_answers() -> bool:  # after an earlier strike HAProxy's config may still name the dead replica
+        for host, port in replica_ports(app):
+            try:
+                r = httpx.post(
+                    f"http://{host}:{port}/v1/completions",
+                    timeout=60,
+                    json={"model": MODEL, "prompt": "Which replica?", "max_tokens": 1},
+                )
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                answered.update(host=host, port=port, victim=r.headers["x-summit-replica"])
+                return True
+        return False
+
+    assert wait_for(a_replica_answers, 120, 1), replica_ports(app)
+    host, port, victim = answered["host"], answered["port"], answered["victim"]
+    actor = next(a for a in app.alive_actors() if a["class_name"].endswith(POOL) and a["name"].endswith(victim))
+    cores = engine_core_processes(actor["pid"])
+    assert cores
+    migrations_before = migrations(app)
+    request_ids = {name: f"migrate-{i}-{time.time_ns()}" for i, name in enumerate(CASES)}
+
+    async def strike(progress: dict[str, list]) -> None:  # as soon as every stream is under way
+        deadline = time.monotonic() + 120
+        while not all(progress.values()):
+            assert time.monotonic() < deadline, {name: len(p) for name, p in progress.items()}
+            await asyncio.sleep(0.01)
+        for proc in cores:
+            proc.kill()
+
+    # the victim's engine crawls (2 ms of every 250) until the kill: every stream is provably mid-generation when
+    # its engine dies, however far behind a starved client reads
+    with Throttle(cores):
+        migrated = asyncio.run(run_streams(f"http://{host}:{port}", strike, request_ids))
+
+    for name, seen in migrated.items():
+        ref = reference[name]
+        assert seen["replica"] == victim, (name, seen["replica"], victim)  # one replica's own port
+        assert not seen["errors"] and seen["done"], (name, seen["errors"])
+        assert len(seen["chunk_ids"]) == 1, f"{name}: one stream id throughout, got {seen['chunk_ids']}"
+        assert seen["usage"] == ref["usage"], name
+        if ref["ids"]:
+            assert len(seen["ids"]) == MIGRATION_TOKENS and seen["ids"] == ref["ids"], name
+        assert seen["text"] == ref["text"], name
+    resumed = {
+        name for name, rid in request_ids.items() if serve_log_matches(app, f"request {rid} resumed on another replica")
+    }
+    # Ray exports metrics every few seconds; a loaded CI box took over 30 s once
+    assert wait_for(lambda: migrations(app) - migrations_before == len(resumed), 120, 1), (migrations(app), resumed)
+    return resumed
+
+
+def test_streams_resume_on_another_replica_token_for_token(faults):
+    app = faults
+    two_running(app)
+    reference = asyncio.run(run_streams(app.base_url))
+    assert all(r["usage"]["completion_tokens"] == MIGRATION_TOKENS and not r["errors"] for r in reference.values())
+    resumed = strike_once(app, reference)
+    print(f"streams resumed: {sorted(resumed)}")
+    # each stream went on from another replica (not merely ended before the strike)
+    assert resumed == set(CASES), resumed
+
+
+def migrations(cluster) -> float:
+    return total(scrape(cluster), "ray_summit_stream_migrations_total", model=MODEL, outcome="resumed")
+
+
 def test_engine_killed_under_32_streams(faults):
     cores = cores_by_replica(faults)
+    earlier = len(serve_log_matches(faults, "resumed on another replica"))  # the migration case's
     with held(every(cores)):
         load = Load(faults.base_url, 32, "engine", greedy_every=2)  # half at temperature 0: resumed elsewhere
         load.wait_started(8)
@@ -279,7 +430,12 @@ def test_engine_killed_under_32_streams(faults):
     recovered = answers(faults.base_url)
     on_victim = [o for o in outcomes if o.replica == victim]
     resumed: list[str] = []
-    wait_for(lambda: resumed.extend(serve_log_matches(faults, "resumed on another replica")) or resumed, 10, 1)
+
+    def resumed_now() -> bool:
+        resumed[:] = serve_log_matches(faults, "resumed on another replica")[earlier:]
+        return bool(resumed)
+
+    wait_for(resumed_now, 10, 1)
     f = figures(
         "engine killed",
         outcomes,
