@@ -310,6 +310,9 @@ class LocalCluster:
         """Kill every process this cluster started (by PID, SIGKILL: a test cluster's state is thrown away, and
         `serve shutdown` + SIGTERM took ≈ 50 s of each module's teardown), free the shared memory its engines left,
         then remove its temp dir."""
+        from tests.replica_probe import stop_probes  # its driver of this cluster
+
+        stop_probes(self.address)
         self._kill_all()
         _free_shared_memory(self._shm_before)
         if keep := os.environ.get("SUMMIT_KEEP_LOGS"):  # a failure's story: the cluster's logs, kept under that folder

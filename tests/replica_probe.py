@@ -6,7 +6,9 @@ handle until the given number of distinct replicas have answered (the method's r
 them by load alone: on idle replicas that is a coin toss per call.
 
 Tests and benchmarks run it as a subprocess (`probe(address, ...)`): one Python process can be the Ray driver
-of one cluster only, and the CPU suite's session cluster may hold the test process's.
+of one cluster only, and the CPU suite's session cluster may hold the test process's. The subprocess stays up, one per
+cluster, and answers one request per line (a Ray driver takes 2-4 s to start on 2 cores, and tests poll through it);
+`stop_probes(address)` (LocalCluster.stop) ends it.
 
     python -m tests.replica_probe --address 127.0.0.1:6379 each summit LLMServer:tiny prefix_cache_stats --replicas 2
     python -m tests.replica_probe --address 127.0.0.1:6379 kill summit LLMServer:tiny REPLICA_ID
@@ -15,15 +17,22 @@ of one cluster only, and the CPU suite's session cluster may hold the test proce
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
+import select
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from tests.local_cluster import loopback_env
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+_HANDLES: dict[tuple[str, str], Any] = {}  # a serving driver's handles, one router each
 
 
 def call_each_replica(
@@ -33,7 +42,8 @@ def call_each_replica(
     calls)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(deployment, app_name=app_name)
+    key = (app_name, deployment)
+    handle = _HANDLES.get(key) or _HANDLES.setdefault(key, serve.get_deployment_handle(deployment, app_name=app_name))
     answers: dict[str, Any] = {}
     for _ in range(attempts):
         result = getattr(handle, method).remote(*args).result(timeout_s=60)
@@ -55,24 +65,75 @@ def kill_replica(app_name: str, deployment: str, replica_id: str) -> str:
     raise LookupError(f"no Serve replica actor named *{suffix}")
 
 
+_DRIVERS: dict[str, subprocess.Popen] = {}
+
+
 def probe(address: str, *args: str, timeout_s: float = 180) -> Any:
-    """Run this module as a subprocess driver of the cluster at `address`; returns its JSON answer."""
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.replica_probe", "--address", address, *args],
-        cwd=REPO,
-        env=loopback_env({"PYTHONPATH": str(REPO)}),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"replica_probe {' '.join(args)} failed ({out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Ask the cluster at `address` through this module's driver subprocess (started on first use); its JSON answer.
+    RuntimeError with the driver's error; subprocess.TimeoutExpired (the driver killed) after `timeout_s`."""
+    driver = _DRIVERS.get(address)
+    if driver is None or driver.poll() is not None:
+        driver = _DRIVERS[address] = subprocess.Popen(
+            [sys.executable, "-m", "tests.replica_probe", "--address", address, "serve"],
+            cwd=REPO,
+            env=loopback_env({"PYTHONPATH": str(REPO)}),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+    driver.stdin.write(json.dumps(args) + "\n")
+    driver.stdin.flush()
+    ready, _, _ = select.select([driver.stdout], [], [], timeout_s)
+    line = driver.stdout.readline() if ready else ""
+    if not line:
+        stop_probes(address)
+        if not ready:
+            raise subprocess.TimeoutExpired(["replica_probe", *args], timeout_s)
+        raise RuntimeError(f"replica_probe {' '.join(args)}: the driver exited")
+    reply = json.loads(line)
+    if "error" in reply:
+        raise RuntimeError(f"replica_probe {' '.join(args)} failed: {reply['error']}")
+    return reply["answer"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def stop_probes(address: str | None = None) -> None:
+    """End the driver of the cluster at `address` (every driver when None)."""
+    for key in [address] if address is not None else list(_DRIVERS):
+        driver = _DRIVERS.pop(key, None)
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+atexit.register(stop_probes)
+
+
+def _serve(parser: argparse.ArgumentParser) -> None:
+    """Answer one request (a JSON list of this module's arguments) per line of stdin, one JSON line each on stdout
+    ({"answer": ...} or {"error": ...}); what else prints goes to stderr."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    for line in sys.stdin:
+        try:
+            reply = {"answer": _run(parser.parse_args(json.loads(line)))}
+        except BaseException as e:  # argparse exits; a failed call must not end the driver
+            reply = {"error": "".join(traceback.format_exception_only(e)).strip()[-2000:]}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+def _run(ns: argparse.Namespace) -> Any:
+    if ns.command == "each":
+        return call_each_replica(ns.app, ns.deployment, ns.method, ns.replicas, args=tuple(ns.args))
+    return kill_replica(ns.app, ns.deployment, ns.replica_id)
+
+
+def _parser(driver: bool) -> argparse.ArgumentParser:
+    """The command line (`driver`: with --address and `serve`), or one request to a serving driver (without)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", required=True, help="the cluster's GCS address")
+    if driver:
+        p.add_argument("--address", required=True, help="the cluster's GCS address")
     sub = p.add_subparsers(dest="command", required=True)
     each = sub.add_parser("each", help="call METHOD on each replica")
     each.add_argument("app")
@@ -84,16 +145,22 @@ def main(argv: list[str] | None = None) -> None:
     kill.add_argument("app")
     kill.add_argument("deployment")
     kill.add_argument("replica_id")
-    ns = p.parse_args(argv)
+    if driver:
+        sub.add_parser("serve", help="stay up: one request (these arguments, as a JSON list) per line of stdin")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = _parser(driver=True).parse_args(argv)
 
     import ray
 
     ray.init(address=ns.address, logging_level="ERROR", log_to_driver=False)
     try:
-        if ns.command == "each":
-            answer: Any = call_each_replica(ns.app, ns.deployment, ns.method, ns.replicas, args=tuple(ns.args))
-        else:
-            answer = kill_replica(ns.app, ns.deployment, ns.replica_id)
+        if ns.command == "serve":
+            _serve(_parser(driver=False))
+            return
+        answer = _run(ns)
     finally:
         ray.shutdown()
     print(json.dumps(answer))
