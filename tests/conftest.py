@@ -46,7 +46,6 @@ SLOWEST_FIRST = [
     "test_batch_offline",
     "test_engine_features",
     "test_multinode",
-    "test_migration",
     "test_monitoring",
 ]
 
