@@ -276,12 +276,23 @@ class LocalCluster:
             return {}
 
     def dashboard_get(self, path: str) -> dict:
-        """GET a dashboard REST path (Serve, or the state API `/api/v0/...`): no Ray driver needed."""
+        """GET a dashboard REST path (Serve, or the state API `/api/v0/...`): no Ray driver needed. A read that times
+        out is asked again, twice (a CI run's dashboard took over 30 s to answer while an engine started beside a
+        second cluster); an HTTP error answer is raised at once."""
         import json
+        import urllib.error
         import urllib.request
 
-        with urllib.request.urlopen(self.dashboard_url + path, timeout=30) as r:
-            return json.load(r)
+        for attempt in range(3):
+            try:
+                with urllib.request.urlopen(self.dashboard_url + path, timeout=60) as r:
+                    return json.load(r)
+            except (TimeoutError, urllib.error.URLError) as e:
+                if isinstance(e, urllib.error.HTTPError) or attempt == 2:
+                    raise
+                if isinstance(e, urllib.error.URLError) and not isinstance(e.reason, TimeoutError):
+                    raise
+        raise AssertionError("unreachable")
 
     def _apps_running(self, before: dict | None = None) -> bool:
         apps = self.serve_applications()
