@@ -75,6 +75,19 @@ def test_haproxy_is_what_answers(behind_haproxy):
         return names
 
     assert wait_for(lambda: listeners() == {"haproxy"}, 30, 0.5), listeners()
+
+    # in the request path at the engines' priority, not at Ray's worker niceness (15) that Serve starts it with
+    def niceness() -> set[int]:
+        found = set()
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == behind_haproxy.http_port:
+                try:
+                    found.add(psutil.Process(c.pid).nice())
+                except psutil.NoSuchProcess:
+                    pass  # an old HAProxy that left meanwhile
+        return found
+
+    assert niceness() == {0}, niceness()
     # Serve keeps its Python proxy only as HAProxy's fallback (on a port of its own).
     assert "HAProxyManager" in {a["class_name"] for a in behind_haproxy.alive_actors()}
 

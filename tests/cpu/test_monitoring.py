@@ -336,8 +336,9 @@ def test_prometheus_answers_every_dashboard_query_after_a_known_load(mon_app, cl
                 timeout=300,
                 json={"model": MODEL, "prompt": f"{HEAD} burst {i}", "max_tokens": 500, "ignore_eos": True},
             )
-            # 408: HAProxy had the headers but not the body within its wait for the route picker (5 s): one of 24
-            # client threads starved on a saturated 2-core box. Nothing reached a replica: send it again.
+            # 408: HAProxy had the headers but not the body within its wait for the route picker (5 s), on a
+            # saturated 2-core box (HAProxy runs at the engines' priority: app/clusters/haproxy.py). Nothing reached
+            # a replica: send it again.
             if r.status_code != 408:
                 break
         return r.status_code, (r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0)
