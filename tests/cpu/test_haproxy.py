@@ -62,32 +62,21 @@ def engine_stats(cluster: LocalCluster, method: str = "stats") -> dict:
 
 
 def test_haproxy_is_what_answers(behind_haproxy):
-    def listeners() -> set[str]:
-        """The names of the processes listening on the app's HTTP port (after a reload the old HAProxy listens
-        beside the new one until it leaves)."""
-        names = set()
-        for c in psutil.net_connections("tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == behind_haproxy.http_port:
-                try:
-                    names.add(psutil.Process(c.pid).name())
-                except psutil.NoSuchProcess:
-                    pass  # an old HAProxy that left meanwhile
-        return names
-
-    assert wait_for(lambda: listeners() == {"haproxy"}, 30, 0.5), listeners()
-
-    # in the request path at the engines' priority, not at Ray's worker niceness (15) that Serve starts it with
-    def niceness() -> set[int]:
+    def listeners(attribute: str) -> set:
+        """`name` or `nice` of each process listening on the app's HTTP port (after a reload the old HAProxy
+        listens beside the new one until it leaves)."""
         found = set()
         for c in psutil.net_connections("tcp"):
             if c.status == psutil.CONN_LISTEN and c.laddr.port == behind_haproxy.http_port:
                 try:
-                    found.add(psutil.Process(c.pid).nice())
+                    found.add(getattr(psutil.Process(c.pid), attribute)())
                 except psutil.NoSuchProcess:
                     pass  # an old HAProxy that left meanwhile
         return found
 
-    assert niceness() == {0}, niceness()
+    assert wait_for(lambda: listeners("name") == {"haproxy"}, 30, 0.5), listeners("name")
+    # in the request path at the engines' priority, not at Ray's worker niceness (15) that Serve starts it with
+    assert listeners("nice") == {0}, listeners("nice")
     # Serve keeps its Python proxy only as HAProxy's fallback (on a port of its own).
     assert "HAProxyManager" in {a["class_name"] for a in behind_haproxy.alive_actors()}
 
