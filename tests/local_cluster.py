@@ -96,7 +96,6 @@ class LocalCluster:
                 if attempt == attempts - 1:
                     raise
                 self._relaunch_ports()
-        return self
 
     def _relaunch_ports(self) -> None:
         """Kill what the dead start left and take fresh ports (the HTTP port stays: configs carry it)."""
@@ -230,7 +229,7 @@ class LocalCluster:
             if self.proc is not None and self.proc.poll() is not None and not before and not self.workers:
                 # the head died before anything was deployed on it: start it again (once per attempt)
                 self._relaunch_ports()
-                self._launch(300)
+                self.start()
             deploy = subprocess.run(
                 ["serve", "deploy", str(path), "-a", self.dashboard_url],
                 env=self._env(),
@@ -283,16 +282,17 @@ class LocalCluster:
         import urllib.error
         import urllib.request
 
-        for attempt in range(3):
+        def read() -> dict:
+            with urllib.request.urlopen(self.dashboard_url + path, timeout=60) as r:
+                return json.load(r)
+
+        for _ in range(2):
             try:
-                with urllib.request.urlopen(self.dashboard_url + path, timeout=60) as r:
-                    return json.load(r)
-            except (TimeoutError, urllib.error.URLError) as e:
-                if isinstance(e, urllib.error.HTTPError) or attempt == 2:
+                return read()
+            except (TimeoutError, urllib.error.URLError) as e:  # an HTTPError's reason is its message: raised
+                if not isinstance(e, TimeoutError) and not isinstance(e.reason, TimeoutError):
                     raise
-                if isinstance(e, urllib.error.URLError) and not isinstance(e.reason, TimeoutError):
-                    raise
-        raise AssertionError("unreachable")
+        return read()
 
     def _apps_running(self, before: dict | None = None) -> bool:
         apps = self.serve_applications()
