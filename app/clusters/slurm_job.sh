@@ -7,6 +7,7 @@ SUMMIT_VENV=${SUMMIT_VENV-.venv}           # empty: use the current environment
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$GPUS_PER_NODE_DEFAULT}}
 CPUS_PER_NODE=${CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-}}
 NODES_WAIT_S=${NODES_WAIT_S:-600}          # every node's Ray must join within this
+START_TRIES=${START_TRIES:-3}              # tries of each node's `ray start` (Ray gives a node 30 s to register)
 READY_WAIT_S=${READY_WAIT_S:-3600}         # the app must answer within this (a 405B loads in 6–40 minutes)
 DRAIN_WAIT_S=${DRAIN_WAIT_S:-240}          # drain: the longest wait for running requests (the signal comes 300 s ahead)
 DRY_RUN=${DRY_RUN:-0}
@@ -32,6 +33,8 @@ export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
 PIDS=()
 NAMES=()
+TRIES=()
+NODE_LIST=()
 LOST=()
 
 say() { printf '%s summit.sbatch: %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -41,17 +44,32 @@ run() {
   if [ "$DRY_RUN" = 1 ]; then printf '+ %s\n' "$*"; else "$@"; fi
 }
 
-# step NAME LOG CMD...: a job step in the background (its output in LOG), remembered by NAME.
+# step INDEX NAME LOG CMD...: job step INDEX in the background (its output appended to LOG), remembered by NAME.
 step() {
-  local name=$1 log=$2
-  shift 2
+  local index=$1 name=$2 log=$3
+  shift 3
   if [ "$DRY_RUN" = 1 ]; then
-    printf '+ %s > %s 2>&1 &\n' "$*" "$log"
+    printf '+ %s >> %s 2>&1 &\n' "$*" "$log"
     return 0
   fi
-  "$@" >"$log" 2>&1 &
-  PIDS+=("$!")
-  NAMES+=("$name")
+  "$@" >>"$log" 2>&1 &
+  PIDS[index]=$!
+  NAMES[index]=$name
+  TRIES[index]=$((${TRIES[index]:-0} + 1))
+}
+
+# Step 0 is the Ray head, step i its worker on nodes[i].
+start_node() {
+  local i=$1 node=${NODE_LIST[$1]}
+  if [ "$i" = 0 ]; then
+    step 0 "$node" "$LOG_DIR/ray-head.log" srun --nodes=1 --ntasks=1 -w "$node" \
+      ray start --head --block --node-ip-address="$HEAD_IP" --port="$RAY_PORT" --temp-dir="$STATE_DIR/ray" \
+      --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" --num-gpus="$GPUS_PER_NODE" "${CPU_ARGS[@]}"
+  else
+    step "$i" "$node" "$LOG_DIR/ray-worker-$node.log" srun --nodes=1 --ntasks=1 -w "$node" \
+      ray start --block --address="$HEAD_IP:$RAY_PORT" --node-ip-address="$(node_address "$node")" \
+      --num-gpus="$GPUS_PER_NODE" "${CPU_ARGS[@]}"
+  fi
 }
 
 allocation_nodes() {
@@ -83,17 +101,29 @@ alive_nodes() {
     | python3 -c 'import json, sys; print(len(json.load(sys.stdin)))' 2>/dev/null || echo 0
 }
 
+# wait_for_nodes N: until N Ray nodes are alive, starting again (up to START_TRIES) a node whose `ray start` exited
+# (on a loaded head a node can miss the 30 s Ray gives it to register); NODES_WAIT_S is wall-clock time.
 wait_for_nodes() {
-  local want=$1 waited=0
+  local want=$1 deadline=$((SECONDS + NODES_WAIT_S)) i
   [ "$DRY_RUN" = 1 ] && { echo "+ wait until $want Ray nodes are alive"; return 0; }
   until [ "$(alive_nodes)" -ge "$want" ]; do
-    if [ "$waited" -ge "$NODES_WAIT_S" ]; then
+    for i in "${!PIDS[@]}"; do
+      kill -0 "${PIDS[$i]}" 2>/dev/null && continue
+      if [ "${TRIES[$i]}" -ge "$START_TRIES" ]; then
+        say "ray start on ${NAMES[$i]} exited ${TRIES[$i]} times; see $LOG_DIR/ray-*.log"
+        endpoint failed "ray start on ${NAMES[$i]} exited ${TRIES[$i]} times (START_TRIES)"
+        return 1
+      fi
+      say "ray start on ${NAMES[$i]} exited (try ${TRIES[$i]} of $START_TRIES); starting it again"
+      wait "${PIDS[$i]}" 2>/dev/null || true
+      start_node "$i"
+    done
+    if [ "$SECONDS" -ge "$deadline" ]; then
       say "only $(alive_nodes) of $want Ray nodes joined after ${NODES_WAIT_S}s; their logs: $LOG_DIR/ray-*.log"
       endpoint failed "only $(alive_nodes) of $want nodes joined"
       return 1
     fi
     sleep 2
-    waited=$((waited + 2))
   done
 }
 
@@ -198,15 +228,13 @@ main() {
     # shellcheck disable=SC1091 # the venv is made by scripts/setup.sh or pip
     . "$SUMMIT_VENV/bin/activate"
   fi
-  local nodes
-  mapfile -t nodes < <(allocation_nodes)
-  if [ "${#nodes[@]}" -eq 0 ]; then
+  mapfile -t NODE_LIST < <(allocation_nodes)
+  if [ "${#NODE_LIST[@]}" -eq 0 ]; then
     echo "summit.sbatch: no nodes (SLURM_JOB_NODELIST or SUMMIT_NODES)" >&2
     exit 1
   fi
-  export JOB_ID SUMMIT_HEAD=${nodes[0]}
-  local head_ip
-  head_ip=$(node_address "$SUMMIT_HEAD")
+  export JOB_ID SUMMIT_HEAD=${NODE_LIST[0]}
+  HEAD_IP=$(node_address "$SUMMIT_HEAD")
   run mkdir -p "$LOG_DIR" "$STATE_DIR"
   # this job's own ports and files (two jobs on one node do not collide), the direct path's environment for every
   # Ray process (srun passes the environment on), and the Serve YAML with the job's HTTP port
@@ -220,22 +248,18 @@ main() {
   DASHBOARD_PORT=$SUMMIT_DASHBOARD_PORT
   export DASHBOARD_PORT
   ensure_token
-  endpoint starting "Ray starting on ${#nodes[@]} nodes"
-  say "Ray head $SUMMIT_HEAD ($head_ip:$RAY_PORT), ${#nodes[@]} nodes, logs in $LOG_DIR, HTTP port $SUMMIT_HTTP_PORT"
-  local cpus=()
-  [ -n "$CPUS_PER_NODE" ] && cpus=(--num-cpus="$CPUS_PER_NODE")
-  step "$SUMMIT_HEAD" "$LOG_DIR/ray-head.log" srun --nodes=1 --ntasks=1 -w "$SUMMIT_HEAD" \
-    ray start --head --block --node-ip-address="$head_ip" --port="$RAY_PORT" --temp-dir="$STATE_DIR/ray" \
-    --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" --num-gpus="$GPUS_PER_NODE" "${cpus[@]}"
+  endpoint starting "Ray starting on ${#NODE_LIST[@]} nodes"
+  say "Ray head $SUMMIT_HEAD ($HEAD_IP:$RAY_PORT), ${#NODE_LIST[@]} nodes, logs in $LOG_DIR, HTTP port $SUMMIT_HTTP_PORT"
+  CPU_ARGS=()
+  [ -n "$CPUS_PER_NODE" ] && CPU_ARGS=(--num-cpus="$CPUS_PER_NODE")
+  start_node 0
   wait_for_nodes 1
-  local node
-  for node in "${nodes[@]:1}"; do
-    step "$node" "$LOG_DIR/ray-worker-$node.log" srun --nodes=1 --ntasks=1 -w "$node" \
-      ray start --block --address="$head_ip:$RAY_PORT" --node-ip-address="$(node_address "$node")" \
-      --num-gpus="$GPUS_PER_NODE" "${cpus[@]}"
+  local i
+  for ((i = 1; i < ${#NODE_LIST[@]}; i++)); do
+    start_node "$i"
   done
-  wait_for_nodes "${#nodes[@]}"
-  say "all ${#nodes[@]} nodes joined; deploying $SERVE_CONFIG"
+  wait_for_nodes "${#NODE_LIST[@]}"
+  say "all ${#NODE_LIST[@]} nodes joined; deploying $SERVE_CONFIG"
   endpoint starting "deploying $SERVE_CONFIG"
   run serve deploy "$SUMMIT_JOB_CONFIG" --address "http://127.0.0.1:$DASHBOARD_PORT"
   if [ "$DRY_RUN" = 1 ]; then

@@ -115,7 +115,7 @@ def submit(
         "RAY_AUTH_TOKEN_PATH": str(token),
         "LOG_DIR": str(logs),
         "SUMMIT_TINY_MODEL": str(tiny_model_dir),
-        "NODES_WAIT_S": "180",
+        "NODES_WAIT_S": "300",
         "READY_WAIT_S": "600",
         "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
     }
