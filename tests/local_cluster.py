@@ -169,15 +169,27 @@ class LocalCluster:
             str(num_gpus),
             "--disable-usage-stats",
         ]
-        worker = subprocess.Popen(cmd, env=self._env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.workers.append(worker)
+        # Ray gives a starting node 30 s to register with the GCS; on a loaded box `ray start` can miss that and exit:
+        # it is started again (twice at most), as summit.sbatch does.
+        for attempt in range(3):
+            worker = subprocess.Popen(
+                cmd, env=self._env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            self.workers.append(worker)
 
-        def joined() -> bool:
-            if worker.poll() is not None:
-                raise RuntimeError(f"worker `ray start` exited with {worker.returncode}; see {log.name}")
-            return any(n["node_ip"] == node_ip for n in self.alive_nodes())
+            def joined(worker: subprocess.Popen = worker) -> bool:
+                if worker.poll() is not None:
+                    raise RuntimeError(f"worker `ray start` exited with {worker.returncode}; see {log.name}")
+                return any(n["node_ip"] == node_ip for n in self.alive_nodes())
 
-        self._wait(joined, timeout_s, "Ray worker node")
+            try:
+                self._wait(joined, timeout_s, "Ray worker node")
+                return
+            except RuntimeError:
+                if attempt == 2 or worker.poll() is None:
+                    raise
+                log.write(b"\n--- ray start exited before the node joined; starting it again ---\n")
+                log.flush()
 
     def alive_nodes(self) -> list[dict]:
         """The state API's nodes that are alive (node_id, node_ip, resources_total, ...), read over REST."""

@@ -1,5 +1,5 @@
-"""`summit batch`: a batch file offline on the YAML's models (real engines, a private local Ray): through Serve
-handles (resuming a run that was cut off mid-line), and through Ray Data over two engine actors."""
+"""`summit batch`: a batch file offline on the YAML's models (real engines, a private local Ray): through Ray Data over
+two engine actors, and through Serve handles (resuming a run that was cut off mid-line)."""
 
 from __future__ import annotations
 
@@ -83,47 +83,43 @@ def read(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_offline_resumes_a_cut_run_exactly_once(tmp_path, config):
-    data = lines(30)
-    infile = tmp_path / "in.jsonl"
-    infile.write_text("".join(json.dumps(x) + "\n" for x in data))
-    out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
-    first = summit_batch(infile, out, config)
-    assert first["ran"] == 30 and first["completed"] == 30 and first["skipped"] == 0
-    answers = {x["custom_id"]: x for x in read(out)}
-    assert sorted(answers) == sorted(x["custom_id"] for x in data)
-    chat = answers["o-0"]["response"]["body"]
-    assert chat["object"] == "chat.completion" and answers["o-1"]["response"]["body"]["object"] == "text_completion"
-    # a run cut off after 12 lines, the 13th half written: the rerun runs the 18 others, the torn one whole again
-    kept = out.read_text().splitlines(keepends=True)[:12]
-    out.write_text("".join(kept) + kept[0][:40])
-    again = summit_batch(infile, out, config)
-    assert again["skipped"] == 12 and again["ran"] == 18
-    redone = read(out)
-    assert sorted(x["custom_id"] for x in redone + read(err)) == sorted(x["custom_id"] for x in data)
-    for x in redone:  # temperature 0: the same answers as the first run
-        body, before = x["response"]["body"], answers[x["custom_id"]]["response"]["body"]
-
-        def text(b):
-            return b["choices"][0].get("text") or b["choices"][0]["message"]["content"]
-
-        assert text(body) == text(before)
-    # nothing left: a third run starts nothing
-    assert summit_batch(infile, out, config)["ran"] == 0
-
-
-def test_ray_data_over_two_engine_actors(tmp_path, config):
-    doc = yaml.safe_load(config[0].read_text())
+def test_ray_data_over_two_engine_actors_then_a_cut_run_resumes_on_serve_exactly_once(tmp_path, config):
+    """One file through both paths (each run starts its own Ray and engines, so one test for both claims): Ray Data
+    over two engine actors answers every line (vLLM's own 400 to the error file); then the output is cut as a killed
+    run leaves it and the rerun, through Serve handles, runs only the lines left, the torn one whole again."""
+    path, env = config
+    doc = yaml.safe_load(path.read_text())
     doc["applications"][0]["args"]["models"][0]["deployment"]["num_replicas"] = 2
-    config[0].write_text(yaml.safe_dump(doc))
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump(doc))
     data = lines(48)
     data[3]["body"]["max_tokens"] = -1  # vLLM's own 400, to the error file
     infile = tmp_path / "in.jsonl"
     infile.write_text("".join(json.dumps(x) + "\n" for x in data))
-    out = tmp_path / "rd.jsonl"
-    summary = summit_batch(infile, out, config, "--ray-data")
+    out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
+    summary = summit_batch(infile, out, (two, env), "--ray-data")
     assert summary["ran"] == 48 and summary["completed"] == 47 and summary["failed"] == 1
     assert len(summary["workers"]) == 2 and all(n > 0 for n in summary["workers"].values()), summary["workers"]
-    errors = read(tmp_path / "rd.errors.jsonl")
+    errors = read(err)
     assert [x["custom_id"] for x in errors] == ["o-3"] and errors[0]["response"]["status_code"] == 400
-    assert sorted(x["custom_id"] for x in read(out) + errors) == sorted(x["custom_id"] for x in data)
+    answers = {x["custom_id"]: x for x in read(out)}
+    assert sorted([*answers, "o-3"]) == sorted(x["custom_id"] for x in data)
+    chat = answers["o-0"]["response"]["body"]
+    assert chat["object"] == "chat.completion" and answers["o-1"]["response"]["body"]["object"] == "text_completion"
+
+    # a run cut off after 12 lines, the 13th half written: the rerun runs the 35 others, the torn one whole again
+    kept = out.read_text().splitlines(keepends=True)[:12]
+    out.write_text("".join(kept) + kept[0][:40])
+    again = summit_batch(infile, out, config)
+    assert again["skipped"] == 13 and again["ran"] == 35, again  # 12 answers and the error line are finished
+    redone = read(out)
+    assert sorted(x["custom_id"] for x in redone + read(err)) == sorted(x["custom_id"] for x in data)
+    assert len(redone) == 47 and len(read(err)) == 1  # each line once
+
+    def text(b):
+        return b["choices"][0].get("text") or b["choices"][0]["message"]["content"]
+
+    for x in redone:  # temperature 0: the same answers as the first run
+        assert text(x["response"]["body"]) == text(answers[x["custom_id"]]["response"]["body"]), x["custom_id"]
+    # nothing left: a third run starts nothing
+    assert summit_batch(infile, out, config)["ran"] == 0
