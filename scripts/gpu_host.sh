@@ -4,7 +4,8 @@
 #                                     # placement group made outside Serve (bench/gpu_layers.py)
 #   bash scripts/gpu_host.sh tests    # python3 -m pytest tests/gpu -rA (TP=2, PP=2, PP=2 across two Ray nodes,
 #                                     # two TP=1 replicas, OpenAI checks, 8B shapes)
-#   bash scripts/gpu_host.sh bench    # 8B shapes (dummy weights): TP 2 x 1 vs TP 1 x 2, Summit vs vLLM, 1/32/256
+#   bash scripts/gpu_host.sh bench [LAYOUTS]  # 8B shapes (dummy weights): TP 2 x 1 vs TP 1 x 2, Summit vs vLLM,
+#                                     # 1/32/256 (LAYOUTS "2x1" or "1x2" for one layout a call)
 #   bash scripts/gpu_host.sh bench1 PEER   # one GPU, 8B shapes: PEER = vllm | summit (direct) | summit-hops,
 #                                          # 1/32/256 streams, 8 client processes (one peer a call: each takes minutes)
 #   bash scripts/gpu_host.sh pd PEER       # two GPUs, 8B shapes, NIXL (wheels nixl + nixl-cu13 carried in .whl-nixl):
@@ -14,6 +15,7 @@
 #                                          # (2,000 lines, 64 out, 256 in flight)
 #   bash scripts/gpu_host.sh moncost N     # one GPU, 8B shapes: round N of Summit's monitoring off vs on
 #   bash scripts/gpu_host.sh migration     # one GPU: stream migration's checks on vLLM 0.26 (tests/*/test_migration.py)
+#   bash scripts/gpu_host.sh quickstart    # one GPU: docs/getting-started/quickstart-gpu.md as typed (8B shapes)
 #   bash scripts/gpu_host.sh features      # one GPU, 8B shapes: the fp8 config vs bf16 vs bf16 + draft model
 #                                          # (bench/engine_features.py; VARIANTS="bf16 fp8" for a subset)
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
@@ -59,10 +61,14 @@ tests)
   python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
   grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 bench)
+  # LAYOUTS (default "2x1 1x2"): one layout a call keeps each call inside the device's 10-minute limit
+  layouts=${2:-2x1 1x2}
+  tag=$(date +%F)-${layouts// /-}
+  # shellcheck disable=SC2086 # word splitting wanted: a list of layouts
   python3 bench/serve_overhead.py --model-dir "$model8b" --accelerator gpu --load-format dummy \
     --concurrency 1 32 256 --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
-    --max-model-len 4096 --layouts 2x1 1x2 --client-procs 8 --json "$out/gpu-$(date +%F).json" 2>&1 \
-    | tee "$out/gpu-$(date +%F).log" ;;
+    --max-model-len 4096 --layouts $layouts --client-procs 8 --json "$out/gpu-$tag.json" 2>&1 \
+    | tee "$out/gpu-$tag.log" ;;
 bench1)
   peer=${2:?usage: gpu_host.sh bench1 vllm|summit|summit-hops}
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
@@ -112,5 +118,41 @@ features)
   # shellcheck disable=SC2086
   python3 bench/engine_features.py --model-dir "$model8b" --draft-dir $draft --variants ${VARIANTS:-bf16 fp8 draft} \
     --json "$out/gpu-features.json" 2>&1 | tee "$out/gpu-features.log" ;;
+quickstart)
+  # docs/getting-started/quickstart-gpu.md as a user types it (steps 2-3, the client, stop), with its shape test
+  # (8B config, dummy weights) on one GPU; `summit` is a stand-in for the pip-installed console script; Ray keeps its
+  # own temp dir here so that the next step can clean up after it (the docs' `ray stop` would stop any Ray).
+  printf '#!/bin/sh\nexec python3 -m app.cli "$@"\n' > /tmp/summit-bin/summit
+  chmod +x /tmp/summit-bin/summit
+  export HOME=/tmp/summit-qs-home
+  mkdir -p "$HOME"
+  (
+    set -ex
+    summit --version
+    summit validate serve_configs/llama8b.yaml --gpu h100-80gb --gpus-per-node 8 --nodes 1
+    ray get-auth-token --generate >/dev/null
+    export RAY_AUTH_MODE=token
+    eval "$(summit direct-path-env)"
+    summit make-model-config llama-3.1-8b /tmp/llama8b-shapes
+    export LLAMA8B_PATH=/tmp/llama8b-shapes
+    python3 -c 'import sys, yaml; d = yaml.safe_load(open(sys.argv[1])); d["applications"][0]["args"]["models"][0]["engine_kwargs"]["load_format"] = "dummy"; yaml.safe_dump(d, open(sys.argv[2], "w"), sort_keys=False)' serve_configs/llama8b.yaml /tmp/llama8b-dummy.yaml
+    ray start --head --dashboard-host=127.0.0.1 --temp-dir=/tmp/summit-ray-qs
+    serve deploy /tmp/llama8b-dummy.yaml
+    summit wait-ready /tmp/llama8b-dummy.yaml --timeout 480
+    python3 - <<'PY'
+from openai import OpenAI
+
+client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+r = client.chat.completions.create(
+    model="llama-3.1-8b",
+    messages=[{"role": "user", "content": "Name the tallest mountain."}],
+    max_tokens=32, logprobs=True, top_logprobs=5,
+)
+print(r.choices[0].message.content)
+print("QUICKSTART ANSWERED", r.usage.completion_tokens, "tokens;", len(r.choices[0].logprobs.content[0].top_logprobs), "top logprobs")
+PY
+    grep -h "Summit request path" /tmp/summit-ray-qs/session_latest/logs/serve/controller_*.log | tail -1
+    serve shutdown -y
+  ) 2>&1 | tee "$out/quickstart.log" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

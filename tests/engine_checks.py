@@ -24,6 +24,12 @@ def vllm_workers(cluster: LocalCluster) -> list[dict]:
     return [a for a in cluster.alive_actors() if a["class_name"] in RAY_WORKERS]
 
 
+def mp_workers(replica: dict) -> list[psutil.Process]:
+    """vLLM's `mp` executor workers of a replica: processes under its engine core titled `VLLM::Worker...`."""
+    children = psutil.Process(replica["pid"]).children(recursive=True)
+    return [p for p in children if "::Worker" in " ".join(p.cmdline())]
+
+
 def engine_processes(cluster: LocalCluster, replica: dict) -> list[psutil.Process]:
     """The replica's process, its children (engine core, mp workers) and vLLM's Ray workers in its placement group."""
     proc = psutil.Process(replica["pid"])
@@ -35,13 +41,36 @@ def engine_processes(cluster: LocalCluster, replica: dict) -> list[psutil.Proces
     return [proc, *proc.children(recursive=True), *workers]
 
 
+def assert_multicast_env(cluster: LocalCluster, replica: dict) -> list[psutil.Process]:
+    """Every engine process (the replica, its children, vLLM's Ray workers in its group) sees the multicast-off
+    environment; those processes."""
+    procs = engine_processes(cluster, replica)
+    assert_env_has(procs, NO_NVLINK_MULTICAST_ENV)
+    return procs
+
+
+def ray_worker_processes() -> list[psutil.Process]:
+    """vLLM's Ray worker processes on this machine, by their process title, network-namespace hosts included (their
+    processes are visible here under other ids than the state API's, which are their own PID namespace's)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        title = (proc.info["cmdline"] or [""])[0]
+        if title.startswith("ray::") and any(name in title for name in RAY_WORKERS):
+            found.append(proc)
+    return found
+
+
+def assert_env_has(procs: list[psutil.Process], want: dict[str, str]) -> None:
+    for proc in procs:
+        env = proc.environ()
+        wrong = {k: env.get(k) for k, v in want.items() if env.get(k) != v}
+        assert not wrong, f"pid {proc.pid} {proc.cmdline()[:3]}: {wrong}"
+
+
 def assert_multicast_off(cluster: LocalCluster, replica: dict) -> None:
     """Every engine process sees the multicast-off environment; the engine's logged config has FlashInfer's all-reduce
     fusion off; no log of the replica mentions FlashInfer's multicast backend ("mnnvl")."""
-    for proc in engine_processes(cluster, replica):
-        env = proc.environ()
-        wrong = {k: env.get(k) for k, v in NO_NVLINK_MULTICAST_ENV.items() if env.get(k) != v}
-        assert not wrong, f"pid {proc.pid} {proc.cmdline()[:3]}: {wrong}"
+    assert_multicast_env(cluster, replica)
     logs = sorted((cluster.temp_dir / "session_latest" / "logs").glob(f"worker-*-{replica['pid']}.*"))
     text = [f.read_text(errors="replace") for f in logs]
     config = [line for t in text for line in t.splitlines() if "Initializing a V1 LLM engine" in line]

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -27,6 +28,7 @@ from app.build.options import (
     route_picker_options,
     server_options,
     serving_models,
+    with_app_runtime_env,
 )
 from app.build.placement import unplaceable
 from app.build.sources import check_sources
@@ -164,7 +166,7 @@ def direct_app(config: SummitConfig, shared: Shared) -> Application:
     )
     if len(serving) == 1 and config.models[0].routing.policy == "least_load" and not config.models[0].lora:
         return engines  # HAProxy's own choice (leastconn) is least-load: no routing call per request
-    picker = serve.deployment(RoutePicker).options(**route_picker_options(config.ingress)).bind(engines)
+    picker = serve.deployment(RoutePicker).options(**own_env(route_picker_options(config.ingress))).bind(engines)
     return engines._with_ingress_request_router(picker)
 
 
@@ -195,10 +197,17 @@ def two_hop_app(config: SummitConfig, shared: Shared, why: str = "") -> Applicat
     )
 
 
+def own_env(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the application's runtime_env kept (app/build/options.py: with_app_runtime_env); the builder
+    runs in the application's runtime_env."""
+    app_env = dict(ray.get_runtime_context().runtime_env or {}) if ray.is_initialized() else {}
+    return with_app_runtime_env(options, app_env)
+
+
 def engine_deployment(server: ServerConfig) -> Application:
     """An engine deployment, bound with its one config and given the Serve options that config implies."""
     deployment = serve.ingress()(LLMServer) if server.role == "entry" else LLMServer
-    return serve.deployment(deployment).options(**server_options(server)).bind(server)
+    return serve.deployment(deployment).options(**own_env(server_options(server))).bind(server)
 
 
 def engine_deployment_names(config: SummitConfig, path: str) -> dict[str, str]:

@@ -60,23 +60,27 @@ def replica_placement(model: ModelConfig, gpus_per_node: int | None = None) -> P
         gpus_per_node or model.gpus_per_node or DEFAULT_GPUS_PER_NODE,
         model.allow_cross_node_tp,
         replica_num_cpus(model),
+        model.distributed_executor(),
     )
 
 
 def replica_resources(model: ModelConfig) -> dict[str, Any]:
-    """One GPU (or CPUs) for a single-worker engine; a placement group (app/build/placement.py) for TP x PP on GPUs.
-
-    With a placement group the replica actor takes only CPUs in bundle 0, and vLLM's Ray executor puts one
-    worker on each GPU bundle of the replica's group.
+    """One GPU (or CPUs) for a single-worker engine; for TP x PP on GPUs (app/build/placement.py) every GPU of the
+    replica when its workers fit one node (vLLM's `mp` executor: the worker processes see exactly the actor's GPUs),
+    else a placement group whose bundle 0 holds the actor's CPUs and each GPU bundle one worker of vLLM's Ray executor.
     """
     num_cpus = replica_num_cpus(model)
     if model.accelerator == "cpu":
         return {"ray_actor_options": {"num_cpus": num_cpus}}
-    # Serve merges these env_vars into the application's; the engine's processes inherit them.
+    # The builder adds the application's runtime_env (with_app_runtime_env); the engine's processes inherit them.
     actor = {"num_cpus": num_cpus, "runtime_env": {"env_vars": dict(NO_NVLINK_MULTICAST_ENV)}}
     if model.tensor_parallel_size * model.pipeline_parallel_size == 1:
         return {"ray_actor_options": {**actor, "num_gpus": 1}}
-    return {"ray_actor_options": actor, **placement_deployment_options(replica_placement(model))}
+    plan = replica_placement(model)
+    if model.distributed_executor() == "mp":
+        (bundle,) = plan.bundles
+        return {"ray_actor_options": {**actor, "num_cpus": bundle["CPU"], "num_gpus": int(bundle["GPU"])}}
+    return {"ray_actor_options": actor, **placement_deployment_options(plan)}
 
 
 def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
@@ -198,6 +202,21 @@ def route_picker_options(ingress: IngressOptions) -> dict[str, Any]:
         "max_ongoing_requests": ingress.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": ingress.num_cpus, "runtime_env": {"env_vars": env}},
     }
+
+
+def with_app_runtime_env(options: dict[str, Any], app_runtime_env: dict[str, Any] | None) -> dict[str, Any]:
+    """Deployment options whose actor keeps the application's runtime_env. Ray Serve gives a deployment that sets its
+    own `ray_actor_options.runtime_env` nothing of the application's but its working_dir, so the YAML's
+    `runtime_env.env_vars` (HF_TOKEN, the models' path variables, VLLM_* settings) would not reach an engine replica;
+    merged as Serve merges a YAML deployment override: the application's runtime_env, its env_vars updated with the
+    deployment's own (which win: the multicast-off settings of GPU engines)."""
+    actor = options.get("ray_actor_options") or {}
+    own = actor.get("runtime_env")
+    if not own or not app_runtime_env:
+        return options
+    env_vars = {**(app_runtime_env.get("env_vars") or {}), **(own.get("env_vars") or {})}
+    merged = {**app_runtime_env, **{k: v for k, v in own.items() if k != "env_vars"}, "env_vars": env_vars}
+    return {**options, "ray_actor_options": {**actor, "runtime_env": merged}}
 
 
 def replica_bundles(options: dict[str, Any]) -> tuple[list[dict[str, float]], str]:

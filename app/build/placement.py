@@ -1,9 +1,12 @@
 """Placement of one engine replica: TP × PP → Ray placement-group bundles and strategy (pure, no Ray import).
 
-vLLM's Ray executor starts one worker per bundle that holds a GPU, so on GPUs the plan has exactly one
-bundle `{"GPU": 1, "CPU": 1}` per worker, ordered stage by stage (bundles `s*tp .. s*tp+tp-1` are pipeline
-stage `s`, one tensor-parallel group). Ray Serve starts the replica actor itself in bundle 0, so the
-actor's own resources are merged into bundle 0 (the actor then asks for nothing outside the group).
+A replica whose TP x PP workers fit one node runs vLLM's `mp` executor: the plan is one bundle holding every GPU
+and the workers' CPUs, and the replica actor itself takes it (Ray then sets the actor's CUDA_VISIBLE_DEVICES to exactly
+those GPUs, which the engine's worker processes inherit). A replica that spans nodes runs vLLM's Ray executor, which
+starts one worker per bundle that holds a GPU, so the plan has exactly one bundle `{"GPU": 1, "CPU": 1}` per worker,
+ordered stage by stage (bundles `s*tp .. s*tp+tp-1` are pipeline stage `s`, one tensor-parallel group). Ray Serve
+starts the replica actor itself in bundle 0, so the actor's own resources are merged into bundle 0 (the actor then
+asks for nothing outside the group).
 
 Strategy: STRICT_PACK (one node) when the replica fits one node; otherwise PACK, which keeps each TP group
 inside one node only when TP groups tile the nodes exactly (`gpus_per_node % tensor_parallel_size == 0`);
@@ -23,8 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from app.config.model import DEFAULT_GPUS_PER_NODE
+
 Strategy = Literal["STRICT_PACK", "PACK"]
-DEFAULT_GPUS_PER_NODE = 8
 WORKER_CPUS = 1.0  # CPU reserved next to each GPU worker (tokenization, NCCL progress, Python)
 
 
@@ -94,8 +98,10 @@ def plan_placement(
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
     allow_cross_node_tp: bool = False,
     num_cpus: float = 1.0,
+    executor: Literal["mp", "ray"] | None = None,
 ) -> PlacementPlan:
-    """Placement group of one replica; `num_cpus` are the replica actor's own CPUs (merged into bundle 0)."""
+    """Placement of one replica; `num_cpus` are the replica actor's own CPUs (merged into bundle 0); `executor` is
+    vLLM's for several GPU workers (ModelConfig.distributed_executor): `mp` plans one bundle for the actor."""
     _check_sizes(tensor_parallel_size, pipeline_parallel_size, gpus_per_node, num_cpus)
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     if accelerator == "cpu":
@@ -108,6 +114,14 @@ def plan_placement(
     if accelerator != "gpu":
         raise ValueError(f"accelerator={accelerator!r}: must be `cpu` or `gpu`")
     workers = tp * pp
+    if executor == "mp" and workers > 1:
+        if workers > gpus_per_node:
+            raise ValueError(
+                f"the mp executor runs every worker on one node: {workers} GPUs do not fit "
+                f"gpus_per_node={gpus_per_node}"
+            )
+        bundle = {"GPU": float(workers), "CPU": WORKER_CPUS * workers + float(num_cpus)}
+        return PlacementPlan((bundle,), "STRICT_PACK", (0,), tp, pp, gpus_per_node)
     bundles = [{"GPU": 1.0, "CPU": WORKER_CPUS} for _ in range(workers)]
     bundles[0] = {"GPU": 1.0, "CPU": WORKER_CPUS + float(num_cpus)}
     if workers <= gpus_per_node:
@@ -133,7 +147,7 @@ def split_tp_groups(plan: PlacementPlan, bundle_nodes: list[str]) -> list[int]:
     """
     if len(bundle_nodes) != len(plan.bundles):
         raise ValueError(f"got {len(bundle_nodes)} bundle nodes for a plan of {len(plan.bundles)} bundles")
-    if len(plan.bundles) == 1 and "GPU" not in plan.bundles[0]:
+    if len(plan.bundles) == 1:  # a CPU replica, or every worker in the replica's own bundle (mp)
         return []
     return [s for s in range(plan.pipeline_parallel_size) if len({bundle_nodes[i] for i in plan.tp_group(s)}) > 1]
 

@@ -15,6 +15,7 @@ from app.config.options import DeploymentOptions, RoutingOptions, Strict
 # vLLM's own default batch size (`--max-num-seqs`), which Summit's deployment defaults are derived from. The engine
 # package imports it from here (the runtime imports the schema, never the other way).
 DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_GPUS_PER_NODE = 8  # a model's `gpus_per_node` when the YAML gives none
 
 
 def _known_engine_kwargs(kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
@@ -175,6 +176,21 @@ class ModelConfig(Strict):
         # a relative chat_template comes back as an absolute path
         return engine.check_frontend_kwargs(kwargs) if engine is not None else kwargs
 
+    def distributed_executor(self) -> Literal["mp", "ray"] | None:
+        """vLLM's executor for a GPU engine of several workers: `mp` (worker processes of the engine, on the GPUs the
+        replica actor itself holds) when TP x PP fits one node of `gpus_per_node`; `ray` (one Ray worker per GPU
+        bundle of the replica's placement group) when the replica spans nodes. `engine_kwargs.
+        distributed_executor_backend` wins. None for one worker, and on CPU (vLLM's CPU platform runs `mp` only)."""
+        if self.accelerator != "gpu" or self.tensor_parallel_size * self.pipeline_parallel_size == 1:
+            return None
+        given = self.engine_kwargs.get("distributed_executor_backend")
+        if given is not None:
+            return given
+        fits_one_node = self.tensor_parallel_size * self.pipeline_parallel_size <= (
+            self.gpus_per_node or DEFAULT_GPUS_PER_NODE
+        )
+        return "mp" if fits_one_node else "ray"
+
     def resolved_source(self, env: dict[str, str] | None = None) -> str:
         env = os.environ if env is None else env
         if self.source_env is not None:
@@ -213,6 +229,26 @@ class ModelConfig(Strict):
             engine.check_gpu_engine_kwargs(self.engine_kwargs)
         else:
             engine.check_cpu_quantization(self.name, self.engine_kwargs)
+        return self
+
+    @model_validator(mode="after")
+    def _executor_fits_the_layout(self) -> ModelConfig:
+        given = self.engine_kwargs.get("distributed_executor_backend")
+        if given is None:
+            return self
+        if given not in ("mp", "ray"):
+            raise ValueError(
+                f"model {self.name!r}: engine_kwargs.distributed_executor_backend={given!r}: Summit runs `mp` (one "
+                "node) or `ray` (any layout); remove the key to let Summit choose"
+            )
+        workers = self.tensor_parallel_size * self.pipeline_parallel_size
+        if given == "mp" and self.accelerator == "gpu" and workers > (self.gpus_per_node or DEFAULT_GPUS_PER_NODE):
+            raise ValueError(
+                f"model {self.name!r}: engine_kwargs.distributed_executor_backend='mp' runs every worker on one node, "
+                f"but tensor_parallel_size x pipeline_parallel_size = {workers} is more than gpus_per_node="
+                f"{self.gpus_per_node or DEFAULT_GPUS_PER_NODE}. Fix: remove the key (Summit then uses `ray` across "
+                "nodes)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -48,16 +48,20 @@ _ALLREDUCE_FUSION = "fuse_allreduce_rms"
 
 
 def engine_kwargs(
-    given: dict[str, Any], accelerator: str, tensor_parallel_size: int, pipeline_parallel_size: int
+    given: dict[str, Any],
+    accelerator: str,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    executor: str | None = None,
 ) -> dict[str, Any]:
-    """The engine arguments Summit hands vLLM for a model: the YAML's `engine_kwargs` plus the parallel sizes; TP x PP
-    on GPUs runs on vLLM's Ray executor in the replica's placement group; GPU engines never fuse all-reduce through
-    FlashInfer (see NO_NVLINK_MULTICAST_ENV)."""
+    """The engine arguments Summit hands vLLM for a model: the YAML's `engine_kwargs` plus the parallel sizes and, for
+    TP x PP on GPUs, the executor (ModelConfig.distributed_executor: `mp` inside one node, `ray` across nodes); GPU
+    engines never fuse all-reduce through FlashInfer (see NO_NVLINK_MULTICAST_ENV)."""
     kwargs = {**given, "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
     if accelerator != "gpu":
         return kwargs
-    if tensor_parallel_size * pipeline_parallel_size > 1:
-        kwargs.setdefault("distributed_executor_backend", "ray")
+    if executor is not None:
+        kwargs["distributed_executor_backend"] = executor
     compilation = dict(kwargs.get("compilation_config") or {})
     compilation["pass_config"] = {**(compilation.get("pass_config") or {}), _ALLREDUCE_FUSION: False}
     kwargs["compilation_config"] = compilation
@@ -68,7 +72,9 @@ def engine_args(model: ModelConfig) -> dict[str, Any]:
     """What vLLM is started with for a model: its `engine_kwargs` and what its `lora:` sets, plus the parallel sizes,
     executor and GPU safety settings (`engine_kwargs` above)."""
     given = {**model.engine_kwargs, **(model.lora.engine_kwargs() if model.lora else {})}
-    return engine_kwargs(given, model.accelerator, model.tensor_parallel_size, model.pipeline_parallel_size)
+    return engine_kwargs(
+        given, model.accelerator, model.tensor_parallel_size, model.pipeline_parallel_size, model.distributed_executor()
+    )
 
 
 def check_gpu_engine_kwargs(given: dict[str, Any]) -> None:

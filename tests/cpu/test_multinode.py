@@ -24,8 +24,9 @@ import pytest
 
 from app.build.builder import NO_HAPROXY
 from app.clusters.ready import engines_answering, path_warning
+from deployments.engine import NO_NVLINK_MULTICAST_ENV
 from tests.cpu.engine_apps import REPO
-from tests.engine_checks import RAY_WORKERS
+from tests.engine_checks import RAY_WORKERS, assert_env_has, ray_worker_processes
 from tests.local_cluster import DeployFailed, LocalCluster, load_serve_config
 from tests.netns_hosts import NetnsHost, netns_problem
 
@@ -134,6 +135,10 @@ def test_a_pipeline_parallel_replica_runs_its_stages_on_two_nodes(two_nodes, tin
         "the engine's workers must run on both nodes"
     )
     assert {w["placement_group_id"] for w in workers} == {group["placement_group_id"]}
+    # vLLM's Ray executor copies the multicast-off environment to its workers (VLLM_RAY_EXTRA_ENV_VARS_TO_COPY)
+    procs = ray_worker_processes()
+    assert len(procs) >= 2, [p.cmdline()[:1] for p in procs]
+    assert_env_has(procs, NO_NVLINK_MULTICAST_ENV)
 
 
 def test_a_replica_no_node_can_hold_fails_naming_the_resource(two_nodes, tiny_model_dir):
@@ -152,10 +157,12 @@ def test_weights_that_are_not_there_fail_the_deploy_before_any_replica_starts(tw
     cluster, _ = two_nodes
     empty = tmp_path / "not-a-checkpoint"
     empty.mkdir()
-    for name, source, why in [("tiny-gone", tmp_path / "nowhere", "does not exist"), ("tiny-empty", empty, "config")]:
-        model = {**pipelined_model(name, tiny_model_dir), "source": str(source)}
-        with pytest.raises(DeployFailed) as failed:
-            cluster.serve_deploy(app_config([model], placement_wait_s=2), timeout_s=300)
-        message = str(failed.value)
-        assert f"model '{name}': source '{source}'" in message and why in message and "Fix:" in message, message
+    cases = [("tiny-gone", tmp_path / "nowhere", "does not exist"), ("tiny-empty", empty, "config")]
+    models = [{**pipelined_model(name, tiny_model_dir), "source": str(source)} for name, source, _ in cases]
+    with pytest.raises(DeployFailed) as failed:  # one deploy: every model's problem is named at once
+        cluster.serve_deploy(app_config(models, placement_wait_s=2), timeout_s=300)
+    message = str(failed.value)
+    for name, source, why in cases:
+        assert f"model '{name}': source '{source}'" in message and why in message, message
         assert not [a for a in cluster.alive_actors() if a["class_name"].endswith(f"LLMServer:{name}")]
+    assert "Fix:" in message, message

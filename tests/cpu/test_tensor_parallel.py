@@ -1,11 +1,13 @@
-"""Tensor parallel 2 through Summit's GPU path, on CPU: one replica, two vLLM workers in its placement group.
+"""Tensor parallel 2 through Summit's GPU path, on CPU: one replica on vLLM's `mp` executor, two workers on the GPUs
+the replica itself holds.
 
 The model is written for GPUs (`accelerator: gpu`, TP 2, `gpus_per_node: 2`) and served on a one-node loopback
-cluster that declares two Ray "GPU" worker slots; Summit's vLLM platform plugin (SUMMIT_VLLM_CPU_RAY=1,
-`deployments/engine/platform.py`) runs vLLM's Ray executor on the CPU. So the path the GPU host takes — the placement
-plan, the replica's placement group handed to vLLM, one Ray worker per bundle, the all-reduce between the two
-ranks (gloo here, NCCL there), the multicast-off environment and engine config of every GPU engine — fails CI
-when it regresses, not only the GPU host.
+cluster that declares two Ray "GPU" slots; Summit's vLLM platform plugin (SUMMIT_VLLM_CPU_RAY=1,
+`deployments/engine/platform.py`) lets vLLM's CPU platform stand in for CUDA. So the path the GPU host takes for TP
+inside a node — the replica actor holding both GPUs (Ray sets its CUDA_VISIBLE_DEVICES), vLLM's worker processes
+inheriting exactly those, the all-reduce between the two ranks (gloo/shm here, NCCL there), the multicast-off
+environment and engine config of every GPU engine — fails CI when it regresses, not only the GPU host. (The Ray
+executor, for replicas that span nodes: tests/cpu/test_multinode.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import openai
 import pytest
 
 from tests.cpu.engine_apps import REPO
-from tests.engine_checks import assert_multicast_off, engine_processes, replica_actors, vllm_workers
+from tests.engine_checks import (
+    assert_multicast_off,
+    engine_core_processes,
+    engine_processes,
+    mp_workers,
+    replica_actors,
+    vllm_workers,
+)
 from tests.local_cluster import LocalCluster, load_serve_config
 
 MODEL = "tiny-tp2"
@@ -56,7 +65,7 @@ def tp2_app(tiny_model_dir):
         cluster.stop()
 
 
-def test_a_tp2_replica_answers_from_two_workers_in_its_placement_group(tp2_app):
+def test_a_tp2_replica_answers_from_two_mp_workers_on_its_own_gpus(tp2_app):
     client = openai.OpenAI(base_url=tp2_app.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     r = client.completions.create(
         model=MODEL, prompt="Split across workers", max_tokens=8, logprobs=2, extra_body={"ignore_eos": True}
@@ -74,16 +83,22 @@ def test_a_tp2_replica_answers_from_two_workers_in_its_placement_group(tp2_app):
     assert chunks[-1].usage.completion_tokens == 8
 
     (replica,) = replica_actors(tp2_app, MODEL)
-    workers = vllm_workers(tp2_app)
-    assert len(workers) == 2, workers
-    assert {w["placement_group_id"] for w in workers} == {replica["placement_group_id"]}
-    (group,) = [g for g in tp2_app.placement_groups() if g["placement_group_id"] == replica["placement_group_id"]]
-    assert [b["unit_resources"].get("GPU") for b in group["bundles"]] == [1, 1]  # one worker slot per rank
-    assert len({b["node_id"] for b in group["bundles"]}) == 1  # TP stays inside a node (STRICT_PACK)
+    assert replica["placement_group_id"] is None and not vllm_workers(tp2_app)  # no group, no Ray workers
+    assert replica["required_resources"].get("GPU") == 2  # the actor itself holds both GPUs
+    workers = mp_workers(replica)
+    assert len(workers) == 2, [w.cmdline() for w in workers]
+    # Ray sets the actor's CUDA_VISIBLE_DEVICES once it runs (after its process started): read it where the engine
+    # core, started by the replica, inherited it
+    (core,) = engine_core_processes(replica["pid"])
+    visible = core.environ()["CUDA_VISIBLE_DEVICES"]
+    assert len(visible.split(",")) == 2, visible  # Ray's two GPU ids for the actor ...
+    assert {w.environ().get("CUDA_VISIBLE_DEVICES") for w in workers} == {visible}  # ... exactly what the workers see
+    # the YAML's runtime_env.env_vars reached them too (Serve alone drops them for a deployment with its own env)
+    assert {w.environ().get("VLLM_CPU_OMP_THREADS_BIND") for w in workers} == {"nobind"}
 
 
 def test_every_engine_process_runs_with_nvlink_multicast_off(tp2_app):
-    """The replica, its engine core and both Ray workers (one per rank) see the multicast-off environment, and
+    """The replica, its engine core and both workers (one per rank) see the multicast-off environment, and
     the engine's own config has FlashInfer's all-reduce fusion off."""
     (replica,) = replica_actors(tp2_app, MODEL)
     assert len(engine_processes(tp2_app, replica)) >= 4  # replica, engine core, two workers

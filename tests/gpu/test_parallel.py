@@ -1,5 +1,6 @@
-"""One model across two GPUs: TP=2 and PP=2 in one replica's placement group, PP=2 across two Ray nodes, and two
-TP=1 replicas on distinct GPUs behind the router.
+"""One model across two GPUs: TP=2 and PP=2 inside one node (vLLM's `mp` executor on the two GPUs the replica holds),
+PP=2 across two Ray nodes (vLLM's Ray executor in the replica's placement group), and two TP=1 replicas on distinct
+GPUs behind the router.
 
 Needs 2 GPUs. The cross-node test starts a second cluster whose worker node lives in a network namespace with its
 own address (tests/netns_hosts.py: pyroute2 + nsenter, no iproute2 needed), one GPU per node, and checks that vLLM's
@@ -16,7 +17,15 @@ import psutil
 import pytest
 import torch
 
-from tests.engine_checks import assert_multicast_off, replica_actors, vllm_workers
+from deployments.engine import NO_NVLINK_MULTICAST_ENV
+from tests.engine_checks import (
+    assert_env_has,
+    assert_multicast_off,
+    mp_workers,
+    ray_worker_processes,
+    replica_actors,
+    vllm_workers,
+)
 from tests.gpu.conftest import app_config, tiny_gpu_model
 from tests.local_cluster import LocalCluster
 from tests.netns_hosts import NetnsHost, netns_available
@@ -31,30 +40,6 @@ def answer(base_url: str) -> openai.types.Completion:
     )
 
 
-def check_one_replica_on_two_workers(cluster: LocalCluster) -> None:
-    r = answer(cluster.base_url)
-    assert r.usage.completion_tokens == 16 and len(r.choices[0].logprobs.tokens) == 16
-    (replica,) = replica_actors(cluster, "tiny-llama")
-    workers = vllm_workers(cluster)
-    assert len(workers) == 2, [w["class_name"] for w in workers]
-    assert {w["placement_group_id"] for w in workers} == {replica["placement_group_id"]}  # the replica's group
-    assert_multicast_off(cluster, replica)
-
-
-def test_tensor_parallel_2_in_one_placement_group(summit, model_dirs):
-    summit.serve_deploy(
-        app_config([tiny_gpu_model(model_dirs, tensor_parallel_size=2, gpus_per_node=2)]), timeout_s=900
-    )
-    check_one_replica_on_two_workers(summit)
-
-
-def test_pipeline_parallel_2_on_one_node(summit, model_dirs):
-    summit.serve_deploy(
-        app_config([tiny_gpu_model(model_dirs, pipeline_parallel_size=2, gpus_per_node=2)]), timeout_s=900
-    )
-    check_one_replica_on_two_workers(summit)
-
-
 def gpu_uuid_of_pids() -> dict[int, str]:
     out = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
@@ -63,6 +48,32 @@ def gpu_uuid_of_pids() -> dict[int, str]:
         check=True,
     ).stdout
     return {int(pid): uuid.strip() for pid, uuid in (line.split(",") for line in out.splitlines() if line.strip())}
+
+
+def check_one_replica_on_two_gpus(cluster: LocalCluster) -> None:
+    r = answer(cluster.base_url)
+    assert r.usage.completion_tokens == 16 and len(r.choices[0].logprobs.tokens) == 16
+    (replica,) = replica_actors(cluster, "tiny-llama")
+    assert replica["placement_group_id"] is None and not vllm_workers(cluster)  # no group, no Ray workers
+    workers = mp_workers(replica)
+    assert len(workers) == 2, [w.cmdline() for w in workers]
+    uuids = gpu_uuid_of_pids()
+    assert len({uuids[w.pid] for w in workers if w.pid in uuids}) == 2, uuids  # one GPU per rank
+    assert_multicast_off(cluster, replica)
+
+
+def test_tensor_parallel_2_on_the_replicas_two_gpus(summit, model_dirs):
+    summit.serve_deploy(
+        app_config([tiny_gpu_model(model_dirs, tensor_parallel_size=2, gpus_per_node=2)]), timeout_s=900
+    )
+    check_one_replica_on_two_gpus(summit)
+
+
+def test_pipeline_parallel_2_on_one_node(summit, model_dirs):
+    summit.serve_deploy(
+        app_config([tiny_gpu_model(model_dirs, pipeline_parallel_size=2, gpus_per_node=2)]), timeout_s=900
+    )
+    check_one_replica_on_two_gpus(summit)
 
 
 def test_two_tp1_replicas_on_distinct_gpus_behind_the_router(summit, model_dirs):
@@ -116,6 +127,9 @@ def test_pipeline_parallel_2_across_two_nodes(summit, model_dirs):
         worker_ips = sorted(ip_of[w["node_id"]] for w in vllm_workers(cluster))
         print("vLLM Ray workers on", worker_ips)
         assert worker_ips == sorted([host.root_ip, host.host_ip])  # one pipeline stage on each node
+        procs = ray_worker_processes()  # vLLM copies the multicast-off environment to its Ray workers
+        assert len(procs) == 2, [p.cmdline()[:1] for p in procs]
+        assert_env_has(procs, NO_NVLINK_MULTICAST_ENV)
     finally:
         cluster.stop()
         host.down()

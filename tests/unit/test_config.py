@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.build.engine_checks import ENGINE_CONTEXT, load_config
-from app.build.options import llm_deployment_options
+from app.build.options import llm_deployment_options, with_app_runtime_env
 from app.config import ModelConfig, SummitConfig, expand_env
 from deployments.engine import engine_args
 
@@ -124,6 +124,31 @@ def test_gpu_tp_pp_gets_a_placement_group_and_the_ray_executor():
     assert "distributed_executor_backend" not in engine_args(single)
     cpu = ModelConfig.model_validate(model(tensor_parallel_size=2))
     assert "distributed_executor_backend" not in engine_args(cpu)  # vLLM's CPU platform refuses Ray's
+
+
+def test_tp_inside_one_node_runs_the_mp_executor_on_the_replicas_own_gpus():
+    m = ModelConfig.model_validate(model(accelerator="gpu", tensor_parallel_size=2, pipeline_parallel_size=2))
+    opts = llm_deployment_options(m)
+    # the actor holds every GPU (Ray sets its CUDA_VISIBLE_DEVICES to them) and the workers' CPUs; no group
+    assert opts["ray_actor_options"]["num_gpus"] == 4 and opts["ray_actor_options"]["num_cpus"] == 5.0
+    assert "placement_group_bundles" not in opts
+    assert engine_args(m)["distributed_executor_backend"] == "mp"
+    forced = ModelConfig.model_validate(
+        model(accelerator="gpu", tensor_parallel_size=2, engine_kwargs={"distributed_executor_backend": "ray"})
+    )
+    assert len(llm_deployment_options(forced)["placement_group_bundles"]) == 2  # the YAML's choice wins
+    assert engine_args(forced)["distributed_executor_backend"] == "ray"
+    with pytest.raises(ValueError, match="distributed_executor_backend='mp' runs every worker on one node"):
+        ModelConfig.model_validate(
+            model(
+                accelerator="gpu",
+                tensor_parallel_size=8,
+                pipeline_parallel_size=2,
+                engine_kwargs={"distributed_executor_backend": "mp"},
+            )
+        )
+    with pytest.raises(ValueError, match="remove the key to let Summit choose"):
+        ModelConfig.model_validate(model(accelerator="gpu", engine_kwargs={"distributed_executor_backend": "uni"}))
 
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -268,3 +293,14 @@ def test_weights_that_are_not_there_fail_before_any_replica_starts(tmp_path):
         check_sources(models(source_env="UNSET_WEIGHTS"))
     with pytest.raises(ValueError, match=r"model 'm': source '\$UNSET_DIR/x': environment variable UNSET_DIR"):
         check_sources(models(source="$UNSET_DIR/x"))
+
+
+def test_a_deployment_with_its_own_runtime_env_keeps_the_applications():
+    # Ray Serve gives a deployment that sets its own runtime_env nothing of the application's but its working_dir
+    app_env = {"env_vars": {"HF_TOKEN": "t", "NCCL_NVLS_ENABLE": "1"}, "working_dir": "/w"}
+    gpu = ModelConfig.model_validate(model(accelerator="gpu"))
+    merged = with_app_runtime_env(llm_deployment_options(gpu), app_env)["ray_actor_options"]["runtime_env"]
+    assert merged["working_dir"] == "/w" and merged["env_vars"]["HF_TOKEN"] == "t"
+    assert merged["env_vars"]["NCCL_NVLS_ENABLE"] == "0"  # the deployment's own (multicast off) win
+    cpu = llm_deployment_options(ModelConfig.model_validate(model()))
+    assert with_app_runtime_env(cpu, app_env) == cpu  # no runtime_env of its own: Serve gives it the application's
