@@ -2,8 +2,8 @@
 # The multi-GPU runs on the offline GPU host (2 GPUs), one step per call (each must end inside 10 minutes):
 #   bash scripts/gpu_host.sh layers   # which layer breaks: plain vLLM TP=2 (mp), then vLLM's Ray executor in a
 #                                     # placement group made outside Serve (bench/gpu_layers.py)
-#   bash scripts/gpu_host.sh tests    # python3 -m pytest tests/gpu -rA (TP=2, PP=2, PP=2 across two Ray nodes,
-#                                     # two TP=1 replicas, OpenAI checks, 8B shapes)
+#   bash scripts/gpu_host.sh tests [PYTEST ARGS]  # python3 -m pytest tests/gpu -rA (TP=2, PP=2, PP=2 across two
+#                                     # Ray nodes, two TP=1 replicas, OpenAI checks, 8B shapes)
 #   bash scripts/gpu_host.sh bench [LAYOUTS]  # 8B shapes (dummy weights): TP 2 x 1 vs TP 1 x 2, Summit vs vLLM,
 #                                     # 1/32/256 (LAYOUTS "2x1" or "1x2" for one layout a call)
 #   bash scripts/gpu_host.sh bench1 PEER   # one GPU, 8B shapes: PEER = vllm | summit (direct) | summit-hops,
@@ -58,8 +58,11 @@ layers)
   nvidia-smi topo -m | tee "$out/topo.txt"
   python3 bench/gpu_layers.py "$model8b" --tp 2 2>&1 | tee "$out/layers.log" ;;
 tests)
-  python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
-  grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
+  # optional pytest arguments (e.g. -k "tensor_parallel") split the suite over calls of the device's 10 minutes
+  shift
+  tag=$(date +%H%M%S)
+  python3 -m pytest tests/gpu -q -rA -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu-tests-$tag.log"
+  grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits-$tag.txt" ;;
 bench)
   # LAYOUTS (default "2x1 1x2"): one layout a call keeps each call inside the device's 10-minute limit
   layouts=${2:-2x1 1x2}
