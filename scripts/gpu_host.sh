@@ -154,7 +154,7 @@ r = client.chat.completions.create(
 print(r.choices[0].message.content)
 print("QUICKSTART ANSWERED", r.usage.completion_tokens, "tokens;", len(r.choices[0].logprobs.content[0].top_logprobs), "top logprobs")
 PY
-    grep -h "Summit request path" /tmp/summit-ray-qs/session_latest/logs/serve/controller_*.log | tail -1
+    grep -rh "Summit request path" /tmp/summit-ray-qs/session_latest/logs | tail -1 || true
     serve shutdown -y
   ) 2>&1 | tee "$out/quickstart.log" ;;
 *) echo "unknown step $step"; exit 2 ;;

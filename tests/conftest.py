@@ -57,7 +57,11 @@ def pytest_collection_modifyitems(session, config, items):
     modules: dict = {}
     for item in items:
         modules.setdefault(item.module, []).append(item)
-    uses = [m for m, its in modules.items() if any(SESSION_APP in it.fixturenames for it in its)]
+    uses = [
+        m
+        for m, its in modules.items()
+        if its[0].nodeid.startswith("tests/cpu/") and any(SESSION_APP in it.fixturenames for it in its)
+    ]  # tests/gpu has a session app of its own, of the same fixture name
     unlisted = {its[0].nodeid.split("::")[0] for m, its in modules.items() if m in uses} - SESSION_APP_MODULES
     if unlisted:
         raise pytest.UsageError(f"{sorted(unlisted)} use the session app: add them to SESSION_APP_MODULES")
@@ -69,7 +73,7 @@ def pytest_collection_modifyitems(session, config, items):
 
     rest.sort(key=rank)  # stable: the others keep their collection order
     items[:] = [it for m in uses + rest for it in modules[m]]
-    last = [it for it in items if SESSION_APP in it.fixturenames][-1:]
+    last = [it for m in uses for it in modules[m] if SESSION_APP in it.fixturenames][-1:]
     for it in last:
         it.stash[_LAST_SESSION_TEST] = True
 

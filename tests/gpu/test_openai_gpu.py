@@ -18,13 +18,15 @@ from tests.cpu.test_openai_api import (  # noqa: F401
     test_completion_logprobs_with_echo,
     test_completion_max_tokens_in_usage,
     test_completion_stream,
+    test_min_tokens_holds_back_a_stop_token,
     test_n_choices,
+    test_penalties_change_what_is_repeated,
     test_prompt_logprobs_and_top_logprobs,
     test_request_id_returned,
-    test_sampling_parameters_accepted,
     test_seed_reproducible,
     test_stop_string_ends_the_output,
     test_tokenize_detokenize_round_trip,
+    test_top_k_and_min_p_narrow_the_sampling,
 )
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="8B shapes run on the second GPU")
