@@ -30,6 +30,9 @@ DIRECT_PATH_ENV = {
     "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(256 * 1024),
     # vLLM's app runs on the replica's own event loop, not a second one with a thread hop per streamed chunk
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    # Serve kills a proxy (here its HAProxy manager) not ready within 5 s, and a deploy meeting that fails with a 500;
+    # a node busy loading engines can take longer to start HAProxy (seen in CI: two jobs' heads on one loaded node)
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
 }
 
 

@@ -127,6 +127,18 @@ wait_for_nodes() {
   done
 }
 
+# `serve deploy`, asked again (3 tries) when it fails: Serve answers 500 while it restarts a proxy it found slow.
+deploy() {
+  local try
+  for try in 1 2 3; do
+    run serve deploy "$SUMMIT_JOB_CONFIG" --address "http://127.0.0.1:$DASHBOARD_PORT" && return 0
+    say "serve deploy failed (try $try of 3)"
+    [ "$try" -lt 3 ] && sleep 10
+  done
+  endpoint failed "serve deploy failed 3 times (see the job's output)"
+  return 1
+}
+
 # Serve replicas still alive (a replica that is draining stays alive until its running requests end).
 live_replicas() {
   ray list actors --address "http://127.0.0.1:$DASHBOARD_PORT" --filter "state=ALIVE" --limit 10000 --format json 2>/dev/null \
@@ -261,7 +273,7 @@ main() {
   wait_for_nodes "${#NODE_LIST[@]}"
   say "all ${#NODE_LIST[@]} nodes joined; deploying $SERVE_CONFIG"
   endpoint starting "deploying $SERVE_CONFIG"
-  run serve deploy "$SUMMIT_JOB_CONFIG" --address "http://127.0.0.1:$DASHBOARD_PORT"
+  deploy
   if [ "$DRY_RUN" = 1 ]; then
     echo "+ summit wait-ready $SUMMIT_JOB_CONFIG --timeout $READY_WAIT_S"
     return 0

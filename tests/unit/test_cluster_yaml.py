@@ -218,7 +218,10 @@ esac
 FAKE_TOOLS = {
     "ray": FAKE_RAY,
     "srun": '#!/bin/bash\nwhile [ "$1" != ray ]; do shift; done\nexec "$@"\n',  # runs the step's command here
-    "serve": "#!/bin/sh\nexit 0\n",
+    "serve": (  # `serve deploy` answers 500 its first FAIL_DEPLOYS times
+        '#!/bin/bash\ntries=$(( $(cat "$FAKE/deploys" 2>/dev/null || echo 0) + 1 )); echo "$tries" > "$FAKE/deploys"\n'
+        '[ "$tries" -le "${FAIL_DEPLOYS:-0}" ] && { echo "fake: status code 500"; exit 1; }\nexit 0\n'
+    ),
     "summit": (
         '#!/bin/sh\n[ "$1" = job-env ] && echo \'export SUMMIT_RAY_PORT=1 SUMMIT_DASHBOARD_PORT=2 '
         "SUMMIT_HTTP_PORT=3 SUMMIT_JOB_CONFIG=job.yaml'\nexit 0\n"
@@ -226,7 +229,7 @@ FAKE_TOOLS = {
 }
 
 
-def run_with_fake_ray(tmp_path, fail_starts: int, start_tries: int) -> tuple[dict, str]:
+def run_with_fake_ray(tmp_path, fail_starts: int, start_tries: int, fail_deploys: int = 0) -> tuple[dict, str]:
     """The job script on two nodes with fakes (named so) for srun, ray, serve and summit: what endpoint.json ends as."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -238,6 +241,7 @@ def run_with_fake_ray(tmp_path, fail_starts: int, start_tries: int) -> tuple[dic
         "HOME": str(tmp_path),
         "FAKE": str(tmp_path),
         "FAIL_STARTS": str(fail_starts),
+        "FAIL_DEPLOYS": str(fail_deploys),
         "START_TRIES": str(start_tries),
         "SUMMIT_NODES": "n1 n2",
         "RAY_AUTH_TOKEN": "t",
@@ -271,3 +275,9 @@ def test_sbatch_starts_a_node_whose_ray_start_exited_again(tmp_path):
 def test_sbatch_fails_the_job_when_a_node_keeps_failing_to_start(tmp_path):
     state, out = run_with_fake_ray(tmp_path, fail_starts=5, start_tries=2)
     assert state["state"] == "failed" and "ray start on n2 exited 2 times" in state["detail"], (state, out)
+
+
+def test_sbatch_asks_serve_deploy_again_when_it_fails(tmp_path):
+    # Serve answers 500 while it restarts a proxy it found slow (a loaded head)
+    state, out = run_with_fake_ray(tmp_path, fail_starts=0, start_tries=3, fail_deploys=1)
+    assert state["state"] == "ready" and "serve deploy failed (try 1 of 3)" in out, (state, out)
