@@ -71,7 +71,10 @@ bench)
   python3 bench/serve_overhead.py --model-dir "$model8b" --accelerator gpu --load-format dummy \
     --concurrency 1 32 256 --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
     --max-model-len 4096 --layouts $layouts --client-procs 8 --json "$out/gpu-$tag.json" 2>&1 \
-    | tee "$out/gpu-$tag.log" ;;
+    | tee "$out/gpu-$tag.log"
+  # FlashInfer's NVLink-multicast all-reduce backend must never run: vLLM's server logs that name it (Summit's engines
+  # are checked by the GPU tests; the benchmark's Ray cluster removes its logs when it stops)
+  grep -li mnnvl /tmp/bench-vllm-*.log 2>/dev/null | tee "$out/mnnvl-hits-$tag.txt" ;;
 bench1)
   peer=${2:?usage: gpu_host.sh bench1 vllm|summit|summit-hops}
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
