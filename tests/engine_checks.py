@@ -24,10 +24,15 @@ def vllm_workers(cluster: LocalCluster) -> list[dict]:
     return [a for a in cluster.alive_actors() if a["class_name"] in RAY_WORKERS]
 
 
+def _descendants_titled(pid: int, title: str) -> list[psutil.Process]:
+    """Processes under `pid` whose name or command line (vLLM sets process titles) holds `title`."""
+    children = psutil.Process(pid).children(recursive=True)
+    return [p for p in children if title in p.name() or title in " ".join(p.cmdline())]
+
+
 def mp_workers(replica: dict) -> list[psutil.Process]:
     """vLLM's `mp` executor workers of a replica: processes under its engine core titled `VLLM::Worker...`."""
-    children = psutil.Process(replica["pid"]).children(recursive=True)
-    return [p for p in children if "::Worker" in " ".join(p.cmdline())]
+    return _descendants_titled(replica["pid"], "::Worker")
 
 
 def engine_processes(cluster: LocalCluster, replica: dict) -> list[psutil.Process]:
@@ -103,8 +108,7 @@ def paused(procs: list[psutil.Process]):
 
 
 def engine_core_processes(replica_pid: int) -> list[psutil.Process]:
-    children = psutil.Process(replica_pid).children(recursive=True)
-    return [p for p in children if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    return _descendants_titled(replica_pid, "EngineCore")
 
 
 def kill_engine_and_wait_for_answers(

@@ -10,7 +10,6 @@ from typing import Any
 
 from app.build.disaggregation import pd_side
 from app.build.placement import (
-    DEFAULT_GPUS_PER_NODE,
     PlacementPlan,
     placement_deployment_options,
     plan_placement,
@@ -55,15 +54,16 @@ def initial_replicas(model: ModelConfig) -> int:
 
 
 def replica_placement(model: ModelConfig, gpus_per_node: int | None = None) -> PlacementPlan:
-    """The placement plan of one replica (app/build/placement.py) on nodes of `gpus_per_node` (default: the model's)."""
+    """The placement plan of one replica (app/build/placement.py) on nodes of `gpus_per_node` (default: the model's);
+    the executor is chosen for the same node size."""
     return plan_placement(
         model.tensor_parallel_size,
         model.pipeline_parallel_size,
         model.accelerator,
-        gpus_per_node or model.gpus_per_node or DEFAULT_GPUS_PER_NODE,
+        model.node_gpus(gpus_per_node),
         model.allow_cross_node_tp,
         replica_num_cpus(model),
-        model.distributed_executor(),
+        model.distributed_executor(gpus_per_node),
     )
 
 

@@ -176,20 +176,23 @@ class ModelConfig(Strict):
         # a relative chat_template comes back as an absolute path
         return engine.check_frontend_kwargs(kwargs) if engine is not None else kwargs
 
-    def distributed_executor(self) -> Literal["mp", "ray"] | None:
+    def node_gpus(self, gpus_per_node: int | None = None) -> int:
+        """GPUs per node the model is placed on: `gpus_per_node` given (e.g. `summit validate --gpus-per-node`), else
+        the model's, else the default."""
+        return gpus_per_node or self.gpus_per_node or DEFAULT_GPUS_PER_NODE
+
+    def distributed_executor(self, gpus_per_node: int | None = None) -> Literal["mp", "ray"] | None:
         """vLLM's executor for a GPU engine of several workers: `mp` (worker processes of the engine, on the GPUs the
-        replica actor itself holds) when TP x PP fits one node of `gpus_per_node`; `ray` (one Ray worker per GPU
-        bundle of the replica's placement group) when the replica spans nodes. `engine_kwargs.
-        distributed_executor_backend` wins. None for one worker, and on CPU (vLLM's CPU platform runs `mp` only)."""
-        if self.accelerator != "gpu" or self.tensor_parallel_size * self.pipeline_parallel_size == 1:
+        replica actor itself holds) when TP x PP fits one node (`node_gpus`); `ray` (one Ray worker per GPU bundle of
+        the replica's placement group) when the replica spans nodes. `engine_kwargs.distributed_executor_backend`
+        wins. None for one worker, and on CPU (vLLM's CPU platform runs `mp` only)."""
+        workers = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.accelerator != "gpu" or workers == 1:
             return None
         given = self.engine_kwargs.get("distributed_executor_backend")
         if given is not None:
             return given
-        fits_one_node = self.tensor_parallel_size * self.pipeline_parallel_size <= (
-            self.gpus_per_node or DEFAULT_GPUS_PER_NODE
-        )
-        return "mp" if fits_one_node else "ray"
+        return "mp" if workers <= self.node_gpus(gpus_per_node) else "ray"
 
     def resolved_source(self, env: dict[str, str] | None = None) -> str:
         env = os.environ if env is None else env
@@ -242,12 +245,11 @@ class ModelConfig(Strict):
                 "node) or `ray` (any layout); remove the key to let Summit choose"
             )
         workers = self.tensor_parallel_size * self.pipeline_parallel_size
-        if given == "mp" and self.accelerator == "gpu" and workers > (self.gpus_per_node or DEFAULT_GPUS_PER_NODE):
+        if given == "mp" and self.accelerator == "gpu" and workers > self.node_gpus():
             raise ValueError(
                 f"model {self.name!r}: engine_kwargs.distributed_executor_backend='mp' runs every worker on one node, "
                 f"but tensor_parallel_size x pipeline_parallel_size = {workers} is more than gpus_per_node="
-                f"{self.gpus_per_node or DEFAULT_GPUS_PER_NODE}. Fix: remove the key (Summit then uses `ray` across "
-                "nodes)"
+                f"{self.node_gpus()}. Fix: remove the key (Summit then uses `ray` across nodes)"
             )
         return self
 
