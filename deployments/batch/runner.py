@@ -59,7 +59,8 @@ class BatchRunner:
 
     def state(self) -> dict:
         """For tests and operators: this replica's process and the batch it works on."""
-        return {"pid": os.getpid(), "batch": self.current, "running": not self._task.done()}
+        replica = serve.get_replica_context().replica_id.unique_id
+        return {"replica_id": replica, "pid": os.getpid(), "batch": self.current, "running": not self._task.done()}
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def _handle(self, deployment: str):

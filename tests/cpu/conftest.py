@@ -61,20 +61,15 @@ def stop_session_app() -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_driver(summit):
-    """A Ray driver connected to the test cluster, for reading engine state through Serve handles.
+def engine_stats(summit):
+    """The session engine's `LLMServer.stats()` (its replica, pid, vLLM's counters), asked through a Ray driver in a
+    subprocess (tests/replica_probe.py): the test process is never a Ray driver of the session cluster, whose Serve
+    handles would outlive `ray.shutdown()` in it and start a Ray instance of their own (a CI run's did, 40 minutes
+    before another module's `ray.init` found it)."""
+    from tests.replica_probe import probe
 
-    Module-scoped: other modules (tests/cpu/test_routing_fake.py) start Ray clusters of their own in this process.
-    """
-    import ray
+    def stats() -> dict:
+        answers = probe(summit.address, "each", "summit", f"LLMServer:{MODEL}", "stats", "--replicas", "1")
+        return next(iter(answers.values()))
 
-    ray.init(address=summit.address, logging_level="ERROR", log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def llm_handle(ray_driver):
-    from ray import serve
-
-    return serve.get_deployment_handle(f"LLMServer:{MODEL}", app_name="summit")
+    return stats

@@ -18,13 +18,13 @@ CONTROL_TOKENS = MAX_MODEL_LEN // 2
 ABORT_MARGIN_TOKENS = 1000
 
 
-def engine_unfinished(llm_handle) -> int:
+def engine_unfinished(engine_stats) -> int:
     """Requests the engine itself still holds (vLLM's output processor), not what the client infers."""
-    return llm_handle.stats.remote().result()["num_unfinished_requests"]
+    return engine_stats()["num_unfinished_requests"]
 
 
-def engine_generated(llm_handle) -> int:
-    tokens = llm_handle.stats.remote().result()["generation_tokens"]
+def engine_generated(engine_stats) -> int:
+    tokens = engine_stats()["generation_tokens"]
     assert tokens is not None, "the engine records no stats (vllm:generation_tokens)"
     return tokens
 
@@ -41,14 +41,14 @@ def wait_for(predicate, timeout_s: float) -> bool:
 class EngineWatch:
     """Polls the engine's request count, keeping what it saw (seconds since the watch began, count) for failures."""
 
-    def __init__(self, llm_handle):
-        self._handle = llm_handle
+    def __init__(self, engine_stats):
+        self._stats = engine_stats
         self._t0 = time.monotonic()
         self.seen: list[tuple[float, int]] = []
 
     def reaches(self, count: int, timeout_s: float) -> bool:
         def check() -> bool:
-            self.seen.append((round(time.monotonic() - self._t0, 1), engine_unfinished(self._handle)))
+            self.seen.append((round(time.monotonic() - self._t0, 1), engine_unfinished(self._stats)))
             return self.seen[-1][1] == count
 
         return wait_for(check, timeout_s)
@@ -58,16 +58,16 @@ class EngineWatch:
         return f"engine request counts (s, count) where they changed: {changes}; last: {self.seen[-1:]}"
 
 
-def drop_one_stream(client, llm_handle, summit) -> tuple[str, str]:
+def drop_one_stream(client, engine_stats, summit) -> tuple[str, str]:
     """One control stream and one dropped after its first chunks; ("aborted" | "finished first", the story).
 
     "finished first": the replica answered the dropped stream in full (200) before the disconnect reached it, which
     the throttled engine rules out (before the pause, a box starved of CPU once let the tiny model generate a whole
     stream while a disconnect was on its way)."""
-    assert wait_for(lambda: engine_unfinished(llm_handle) == 0, 60)
-    generated_before = engine_generated(llm_handle)
+    assert wait_for(lambda: engine_unfinished(engine_stats) == 0, 60)
+    generated_before = engine_generated(engine_stats)
     control: dict = {}
-    watch = EngineWatch(llm_handle)
+    watch = EngineWatch(engine_stats)
     # both streams are in the engine once each has answered (no polling: on a loaded box a poll can take 10 s); the
     # dropped one is closed right after its first chunks
     control_stream = client.completions.create(
@@ -129,7 +129,7 @@ def drop_one_stream(client, llm_handle, summit) -> tuple[str, str]:
     assert chunks[-1].choices[0].finish_reason == "length"
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 100
     assert watch.reaches(0, 120), story()
-    dropped_generated = engine_generated(llm_handle) - generated_before - CONTROL_TOKENS
+    dropped_generated = engine_generated(engine_stats) - generated_before - CONTROL_TOKENS
     if outcome == "aborted":
         # the engine stopped generating the dropped stream well before its length: it was aborted, not finished
         assert dropped_generated < DROPPED_TOKENS - ABORT_MARGIN_TOKENS, (
@@ -138,7 +138,7 @@ def drop_one_stream(client, llm_handle, summit) -> tuple[str, str]:
     return outcome, f"{dropped_generated} of {DROPPED_TOKENS} tokens generated; {story()}"
 
 
-def test_client_disconnect_aborts_engine_request(client, llm_handle, summit):
-    outcome, story = drop_one_stream(client, llm_handle, summit)
+def test_client_disconnect_aborts_engine_request(client, engine_stats, summit):
+    outcome, story = drop_one_stream(client, engine_stats, summit)
     print("dropped stream:", story)
     assert outcome == "aborted", "the replica answered the dropped stream in full:\n" + story

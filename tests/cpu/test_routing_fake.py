@@ -36,12 +36,14 @@ def serve_fakes():
 
     # The node is started by `ray start` in processes of its own, as every other module's cluster is (an in-process
     # `ray.init(address="local")` once timed out on its raylet's registration in CI); this process is its driver.
+    # The only module whose test process is a Ray driver (the others ask through tests/replica_probe.py's subprocess).
+    assert not ray.is_initialized(), f"an earlier module left this process a Ray driver of {ray.get_runtime_context()}"
     cluster = LocalCluster(num_cpus=2, env={"PYTHONPATH": str(REPO)})
+    handles = {}
     try:
         cluster.start()
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         serve.start(proxy_location="Disabled")
-        handles = {}
         for policy in ("session_affinity", "prefix_affinity"):
             options = request_router_options(policy, prefix_chars=64, imbalance=8, max_tracked=100)
             fake = serve.deployment(FakeLLMServer).options(
@@ -50,6 +52,10 @@ def serve_fakes():
             handles[policy] = serve.run(fake.bind(), name=f"fake-{policy}", route_prefix=None)
         yield handles
     finally:
+        # the handles' routers first: one left running calls its controller after `ray.shutdown()`, and Ray then
+        # starts a local instance of its own in this process (an actor call auto-initializes Ray)
+        for handle in handles.values():
+            handle.shutdown()
         ray.shutdown()
         cluster.stop()
 

@@ -10,8 +10,8 @@ from tests.cpu.conftest import MODEL
 from tests.engine_checks import kill_engine_and_wait_for_answers
 
 
-def test_killed_engine_is_replaced(summit, llm_handle):
-    before = llm_handle.stats.remote().result()
+def test_killed_engine_is_replaced(summit, engine_stats):
+    before = engine_stats()
     kill_engine_and_wait_for_answers(summit.base_url, MODEL, before["pid"], before["replica_id"])
-    after = llm_handle.stats.remote().result()
+    after = engine_stats()
     assert after["replica_id"] != before["replica_id"] and after["pid"] != before["pid"]
