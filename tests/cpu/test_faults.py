@@ -231,9 +231,9 @@ def two_running(cluster) -> None:
     assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 2, 240, 1), deployment_details(cluster, POOL)
 
 
-def cores_by_replica(cluster) -> dict[str, list[psutil.Process]]:
-    """Each running replica's engine core processes, once two replicas run and each has its engine (after a case
-    that killed one, Serve may still be replacing it)."""
+def cores_by_replica(cluster, replicas: int = 2) -> dict[str, list[psutil.Process]]:
+    """Each running replica's engine core processes, once `replicas` replicas run and each has its engine (after a
+    case that killed one, Serve may still be replacing it)."""
     cores: dict[str, list[psutil.Process]] = {}
 
     def ready() -> bool:
@@ -243,9 +243,10 @@ def cores_by_replica(cluster) -> dict[str, list[psutil.Process]]:
         for r in replicas:
             actor = next((a for a in actors if a["name"].endswith(r)), None)
             cores[r] = engine_core_processes(actor["pid"]) if actor else []
-        return len(replicas) == 2 and all(cores.values())
+        return len(replicas) == count and all(cores.values())
 
-    assert wait_for(ready, 360, 1), f"each of 2 replicas should own a vLLM EngineCore process: {cores}"
+    count = replicas
+    assert wait_for(ready, 360, 1), f"each of {count} replicas should own a vLLM EngineCore process: {cores}"
     return cores
 
 
@@ -564,17 +565,17 @@ class Stopping:
         self._thread.join()
 
 
-def _drains(cluster, case: str, change) -> dict:
+def _drains(cluster, case: str, change, replicas: int) -> dict:
     """Streams start on every replica, their engines crawling, then paused while the app is redeployed with
     `change` (of the app's Serve config); once Serve reports an old replica STOPPING the engines go on: the streams it
     still held end complete after it began stopping (drained, not cut), and that replica is gone afterwards."""
-    by_replica = cores_by_replica(cluster)
+    by_replica = cores_by_replica(cluster, replicas)
     old, cores = set(by_replica), every(by_replica)
     stopping = Stopping(cluster)
     # the client's bound covers a new replica's start while the old engines crawl (a redeploy starts new ones before
     # it stops the old); they go on at full speed once an old replica is stopping
     with held(cores) as throttle:
-        load = Load(cluster.base_url, 32, case, bound_s=300)
+        load = Load(cluster.base_url, 16 * replicas, case, bound_s=300)  # 16 for each engine: two waves of 8
         load.wait_started(8)
         if throttle is not None:  # no step more until an old replica is stopping: its streams cannot end before
             throttle.hold()
@@ -617,16 +618,19 @@ def _stopping(cluster) -> bool:
     return any(r["state"] != "RUNNING" for r in deployment_details(cluster, POOL)["replicas"])
 
 
-def test_redeploy_with_a_changed_config_drains_running_streams(faults):
-    # a change of the app's args: Serve's code version hashes them, so every replica is replaced; the old ones drain
-    _drains(faults, "redeploy", lambda app: app["args"]["models"][0]["engine_kwargs"].update(max_num_seqs=6))
-    two_running(faults)
-
-
 def test_scale_down_drains_running_streams(faults):
     before = set(running_replicas(faults, POOL))
     # Serve's per-deployment override: a light update that stops one replica and keeps the other (num_replicas in the
     # app's args would change Serve's code version and replace both)
-    _drains(faults, "scale down 2 -> 1", lambda app: app.update(deployments=[{"name": POOL, "num_replicas": 1}]))
+    _drains(faults, "scale down 2 -> 1", lambda app: app.update(deployments=[{"name": POOL, "num_replicas": 1}]), 2)
     after = running_replicas(faults, POOL)
     assert len(after) == 1 and set(after) <= before, (before, after)
+
+
+def test_redeploy_with_a_changed_config_drains_running_streams(faults):
+    """Last: on the one replica the scale-down left (one engine start, not two). A change of the app's args: Serve's
+    code version hashes them, so the replica is replaced and the old one drains."""
+    before = set(running_replicas(faults, POOL))
+    _drains(faults, "redeploy", lambda app: app["args"]["models"][0]["engine_kwargs"].update(max_num_seqs=6), 1)
+    after = running_replicas(faults, POOL)
+    assert len(after) == 1 and not set(after) & before, (before, after)
