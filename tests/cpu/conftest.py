@@ -63,9 +63,9 @@ def stop_session_app() -> None:
 @pytest.fixture(scope="module")
 def engine_stats(summit):
     """The session engine's `LLMServer.stats()` (its replica, pid, vLLM's counters), asked through a Ray driver in a
-    subprocess (tests/replica_probe.py): the test process is never a Ray driver of the session cluster, whose Serve
-    handles would outlive `ray.shutdown()` in it and start a Ray instance of their own (a CI run's did, 40 minutes
-    before another module's `ray.init` found it)."""
+    subprocess (tests/replica_probe.py): the test process is no Ray driver of the session cluster. Serve handles made
+    in it kept calling their controller after `ray.shutdown()`, and an actor call auto-initializes Ray (a CI run's test
+    process was found driving a local Ray it had started by itself, which another module's `ray.init` then met)."""
     from tests.replica_probe import probe
 
     def stats() -> dict:

@@ -37,7 +37,8 @@ def serve_fakes():
     # The node is started by `ray start` in processes of its own, as every other module's cluster is (an in-process
     # `ray.init(address="local")` once timed out on its raylet's registration in CI); this process is its driver.
     # The only module whose test process is a Ray driver (the others ask through tests/replica_probe.py's subprocess).
-    assert not ray.is_initialized(), f"an earlier module left this process a Ray driver of {ray.get_runtime_context()}"
+    if ray.is_initialized():
+        pytest.fail(f"an earlier module left this process a Ray driver ({ray.get_runtime_context().gcs_address})")
     cluster = LocalCluster(num_cpus=2, env={"PYTHONPATH": str(REPO)})
     handles = {}
     try:
