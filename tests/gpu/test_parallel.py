@@ -103,6 +103,10 @@ def test_pipeline_parallel_2_across_two_nodes(summit, model_dirs):
         "VLLM_HOST_IP": host.root_ip,
         "NCCL_SOCKET_IFNAME": host.root_if,
         "GLOO_SOCKET_IFNAME": host.root_if,
+        # one hostname in both namespaces: NCCL would take them for one host and reach for shared memory and CUDA IPC
+        # over abstract Unix sockets, which a network namespace does not share ("unhandled system error"); a host id
+        # of its own per node makes NCCL use the network between them, as between two machines
+        "NCCL_HOSTID": "summit-head",
     }
     cluster = LocalCluster(num_cpus=8, num_gpus=1, node_ip=host.root_ip, env=head_env)
     try:
@@ -117,6 +121,7 @@ def test_pipeline_parallel_2_across_two_nodes(summit, model_dirs):
                 "VLLM_HOST_IP": host.host_ip,
                 "NCCL_SOCKET_IFNAME": host.host_if,
                 "GLOO_SOCKET_IFNAME": host.host_if,
+                "NCCL_HOSTID": "summit-worker",
             },
         )
         model = tiny_gpu_model(model_dirs, pipeline_parallel_size=2, gpus_per_node=1)
