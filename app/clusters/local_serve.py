@@ -107,11 +107,33 @@ def _stop(procs: list[psutil.Process], grace_s: float = 2.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def soft_stopping_connections(sock: Path, port: int) -> int:
+    """Client connections to `port` still held by HAProxy processes that a reload replaced (Serve reloads HAProxy when
+    replicas change: the new process answers the admin socket, the old one finishes its streams and exits, and it has
+    closed its idle keep-alive connections, so each connection it holds is a request in flight)."""
+    folder = str(sock.parent)
+    mine = []
+    for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
+        if "haproxy" in (proc.info["name"] or "") and any(folder in part for part in proc.info["cmdline"] or []):
+            mine.append(proc)
+    count = 0
+    for proc in sorted(mine, key=lambda p: p.info["create_time"])[:-1]:  # all but the newest
+        try:
+            conns = proc.net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        count += sum(1 for c in conns if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port)
+    return count
+
+
 def in_flight(port: int, started: float) -> tuple[int, str]:
-    """(count, what it counts): requests in flight at HAProxy, or else open client connections to `port`."""
+    """(count, what it counts): requests in flight at HAProxy (the serving process's and those a reload left to finish
+    in the one it replaced), or else open client connections to `port`."""
     sock = haproxy_socket(started)
     busy = haproxy_in_flight(sock) if sock else None
-    return (busy, "request(s) in flight") if busy is not None else (connections_to(port), "open connection(s)")
+    if busy is None:
+        return connections_to(port), "open connection(s)"
+    return busy + soft_stopping_connections(sock, port), "request(s) in flight"
 
 
 def serve_local(config: str, timeout_s: float = 1800) -> int:

@@ -115,7 +115,9 @@ def submit(
         "RAY_AUTH_TOKEN_PATH": str(token),
         "LOG_DIR": str(logs),
         "SUMMIT_TINY_MODEL": str(tiny_model_dir),
-        "NODES_WAIT_S": "300",
+        # a loaded CI box has made a head's `ray start` miss Ray's fixed 30 s for a node to register three times
+        "NODES_WAIT_S": "600",
+        "START_TRIES": "5",
         "READY_WAIT_S": "600",
         "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
     }
@@ -143,6 +145,14 @@ def submit(
     )
     assert submitted.returncode == 0, submitted.stderr
     return Job(submitted.stdout.strip().split(";")[0], logs, out)
+
+
+@pytest.fixture(autouse=True)
+def no_job_left(slurm):
+    """A failed test's jobs are cancelled before the next test starts: the next one's job would wait for their
+    nodes (a CI run's two-node job pended 15 minutes behind a failed test's job)."""
+    yield
+    slurm.run("scancel", "--full", "--partition=ci", check=False, timeout=20)
 
 
 def wait_ready(slurm: SlurmCluster, job: Job, timeout_s: float = 900) -> dict:

@@ -7,11 +7,21 @@ Named to run last: it restarts the session's only replica.
 from __future__ import annotations
 
 from tests.cpu.conftest import MODEL
+from tests.cpu.engine_apps import wait_for
 from tests.engine_checks import kill_engine_and_wait_for_answers
 
 
 def test_killed_engine_is_replaced(summit, engine_stats):
     before = engine_stats()
     kill_engine_and_wait_for_answers(summit.base_url, MODEL, before["pid"], before["replica_id"])
-    after = engine_stats()
-    assert after["replica_id"] != before["replica_id"] and after["pid"] != before["pid"]
+    after: dict = {}
+
+    def replaced() -> bool:
+        try:  # the probe's handle may not know the new replica yet: "DeploymentUnavailableError" until it does
+            after.update(engine_stats())
+        except RuntimeError:
+            return False
+        return after["replica_id"] != before["replica_id"]
+
+    assert wait_for(replaced, 120, 2), after
+    assert after["pid"] != before["pid"]
