@@ -23,6 +23,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -41,12 +42,22 @@ def call_each_replica(
     """{replica_id: result} once `replicas` distinct replicas answered `method` (RuntimeError after `attempts`
     calls)."""
     from ray import serve
+    from ray.serve.exceptions import DeploymentUnavailableError
 
     key = (app_name, deployment)
-    handle = _HANDLES.get(key) or _HANDLES.setdefault(key, serve.get_deployment_handle(deployment, app_name=app_name))
     answers: dict[str, Any] = {}
     for _ in range(attempts):
-        result = getattr(handle, method).remote(*args).result(timeout_s=60)
+        if key not in _HANDLES:
+            _HANDLES[key] = serve.get_deployment_handle(deployment, app_name=app_name)
+        handle = _HANDLES[key]
+        try:
+            result = getattr(handle, method).remote(*args).result(timeout_s=60)
+        except DeploymentUnavailableError:
+            # a handle made before the application was deleted and deployed again (a test's `serve shutdown` and
+            # `serve deploy`) stays unavailable: a new one finds the new application
+            _HANDLES.pop(key, None)
+            time.sleep(0.5)
+            continue
         answers[result["replica_id"]] = result
         if len(answers) >= replicas:
             return answers
