@@ -23,7 +23,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -42,22 +41,12 @@ def call_each_replica(
     """{replica_id: result} once `replicas` distinct replicas answered `method` (RuntimeError after `attempts`
     calls)."""
     from ray import serve
-    from ray.serve.exceptions import DeploymentUnavailableError
 
     key = (app_name, deployment)
+    handle = _HANDLES.get(key) or _HANDLES.setdefault(key, serve.get_deployment_handle(deployment, app_name=app_name))
     answers: dict[str, Any] = {}
     for _ in range(attempts):
-        if key not in _HANDLES:
-            _HANDLES[key] = serve.get_deployment_handle(deployment, app_name=app_name)
-        handle = _HANDLES[key]
-        try:
-            result = getattr(handle, method).remote(*args).result(timeout_s=60)
-        except DeploymentUnavailableError:
-            # a handle made before the application was deleted and deployed again (a test's `serve shutdown` and
-            # `serve deploy`) stays unavailable: a new one finds the new application
-            _HANDLES.pop(key, None)
-            time.sleep(0.5)
-            continue
+        result = getattr(handle, method).remote(*args).result(timeout_s=60)
         answers[result["replica_id"]] = result
         if len(answers) >= replicas:
             return answers
@@ -79,7 +68,7 @@ def kill_replica(app_name: str, deployment: str, replica_id: str) -> str:
 _DRIVERS: dict[str, subprocess.Popen] = {}
 
 
-def probe(address: str, *args: str, timeout_s: float = 180) -> Any:
+def probe(address: str, *args: str, timeout_s: float = 180, _retried: bool = False) -> Any:
     """Ask the cluster at `address` through this module's driver subprocess (started on first use); its JSON answer.
     RuntimeError with the driver's error; subprocess.TimeoutExpired (the driver killed) after `timeout_s`."""
     driver = _DRIVERS.get(address)
@@ -103,6 +92,11 @@ def probe(address: str, *args: str, timeout_s: float = 180) -> Any:
             raise subprocess.TimeoutExpired(["replica_probe", *args], timeout_s)
         raise RuntimeError(f"replica_probe {' '.join(args)}: the driver exited")
     reply = json.loads(line)
+    if "DeploymentUnavailableError" in reply.get("error", "") and not _retried:
+        # the driver's Serve router of a deployment whose application was shut down and deployed again stays
+        # unavailable for the life of that process: a new driver finds the new application
+        stop_probes(address)
+        return probe(address, *args, timeout_s=timeout_s, _retried=True)
     if "error" in reply:
         raise RuntimeError(f"replica_probe {' '.join(args)} failed: {reply['error']}")
     return reply["answer"]
