@@ -231,8 +231,8 @@ def two_running(cluster) -> None:
     assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 2, 240, 1), deployment_details(cluster, POOL)
 
 
-def cores_by_replica(cluster, replicas: int = 2) -> dict[str, list[psutil.Process]]:
-    """Each running replica's engine core processes, once `replicas` replicas run and each has its engine (after a
+def cores_by_replica(cluster, count: int = 2) -> dict[str, list[psutil.Process]]:
+    """Each running replica's engine core processes, once `count` replicas run and each has its engine (after a
     case that killed one, Serve may still be replacing it)."""
     cores: dict[str, list[psutil.Process]] = {}
 
@@ -245,7 +245,6 @@ def cores_by_replica(cluster, replicas: int = 2) -> dict[str, list[psutil.Proces
             cores[r] = engine_core_processes(actor["pid"]) if actor else []
         return len(replicas) == count and all(cores.values())
 
-    count = replicas
     assert wait_for(ready, 360, 1), f"each of {count} replicas should own a vLLM EngineCore process: {cores}"
     return cores
 
