@@ -324,10 +324,12 @@ def _job_env(ns: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
-    from app.clusters.job_env import job_env, job_serve_config
+    from app.clusters.job_env import job_drain_config, job_env, job_serve_config
 
     env = job_env(Path(ns.state_dir))
-    env["SUMMIT_JOB_CONFIG"] = str(job_serve_config(Path(ns.config), int(env["SUMMIT_HTTP_PORT"]), Path(ns.config_out)))
+    job_config = job_serve_config(Path(ns.config), int(env["SUMMIT_HTTP_PORT"]), Path(ns.config_out))
+    env["SUMMIT_JOB_CONFIG"] = str(job_config)
+    env["SUMMIT_DRAIN_CONFIG"] = str(job_drain_config(job_config))
     for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")
     return 0

@@ -10,7 +10,8 @@ private network where Prometheus scrapes HAProxy from another machine.
 
 HAProxy answers some requests itself, in HTML or plain text: a path no application serves (404), no replica up for
 the app (503) or a replica gone mid-request (502; Serve turns 502/503/504 into a plain "500 Internal Server Error"),
-the ingress request router failing (503). The copy answers each in OpenAI's `{"error": ...}` shape instead; 502
+the ingress request router failing (503); and Serve's fallback proxy passes on a plain-text 404 once an app is gone
+(a draining job), which becomes a 503 to retry. The copy answers each in OpenAI's `{"error": ...}` shape instead; 502
 and 503 become an honest 503 with Retry-After (no replica can take the request now; a new one is being started).
 Left as HAProxy has them: what its HTTP parser refuses before any rule or errorfile applies (HAProxy 2.8: a
 request line or headers larger than its buffer, or malformed: HTML 400; a client too slow to send them: HTML 408).
@@ -47,6 +48,8 @@ _NOT_FOUND = (
 )
 _ERRORFILE = re.compile(r"^\s*errorfile\s+(\d{3})\s+\S+\s*$\n?", re.M)
 _DEFAULT_404 = re.compile(r"(http-request return status 404) content-type text/plain lf-string \"Path .*\"$", re.M)
+_FRONTEND_BIND = re.compile(r"^frontend http_frontend\s*\n\s*bind [^\n]*\n", re.M)
+_NO_APP = "No application serves this path now (it is being deployed, or shut down to drain); retry."
 _ROUTER_503 = re.compile(
     r"(http-request return status 503) content-type text/plain lf-string "
     r"\"Ingress request router failed: [^\"]*\""
@@ -75,7 +78,16 @@ def openai_answers(config: str, directory: Path) -> str:
     not_found.write_bytes(_error_json(404, _NOT_FOUND))
     router = directory / "router-503.json"
     router.write_bytes(_error_json(503, "The request router could not place this request now; retry."))
+    no_app = directory / "no-app-503.json"
+    no_app.write_bytes(_error_json(503, _NO_APP))
+    # Serve's fallback proxy (HAProxy's backup server while an app has no ready replica) answers a plain-text 404
+    # once the app is gone, as while a job drains: an OpenAI 503 to retry instead (the apps' own 404s are JSON)
+    fallback_404 = (
+        f"    http-response return status 503 content-type application/json file {no_app} "
+        f"hdr Retry-After {RETRY_AFTER_S} if {{ status 404 }} !{{ res.hdr(content-type) -m sub json }}\n"
+    )
     config = _ERRORFILE.sub("", config)
+    config = _FRONTEND_BIND.sub(lambda m: m.group(0) + fallback_404, config, count=1)
     config = re.sub(r"^defaults\s*$\n", lambda m: m.group(0) + "".join(lines), config, count=1, flags=re.M)
     config = _DEFAULT_404.sub(lambda m: f"{m[1]} content-type application/json file {not_found}", config)
     return _ROUTER_503.sub(

@@ -170,3 +170,17 @@ def job_serve_config(config: Path, http_port: int, out: Path) -> Path:
         env_vars["RAY_AUTH_MODE"] = "token"
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
+
+
+def job_drain_config(job_config: Path) -> Path:
+    """The job's Serve YAML without applications, beside it (`<name>-drain.yaml`): deploying it deletes every
+    application gracefully while Serve's proxies stay up. `serve shutdown` would stop the proxies at once, and on the
+    direct path that kills HAProxy with the streams it carries; with the proxies up, each replica finishes its running
+    requests (graceful_shutdown_timeout_s) and HAProxy's reload lets the replaced process finish its streams."""
+    import yaml
+
+    data = yaml.safe_load(job_config.read_text())
+    data["applications"] = []
+    out = job_config.with_name(f"{job_config.stem}-drain.yaml")
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out

@@ -177,21 +177,33 @@ ensure_token() {
   run sh -c 'umask 077 && ray get-auth-token --generate >/dev/null'
 }
 
+# HAProxy processes of this job on this node beyond the serving one: those a reload replaced, finishing their streams.
+replaced_haproxies() {
+  local count
+  count=$(pgrep -c -f "haproxy.*$STATE_DIR/haproxy/" 2>/dev/null || true)
+  echo $((${count:-0} > 1 ? ${count:-0} - 1 : 0))
+}
+
 # SLURM's signal ahead of the time limit (#SBATCH --signal=B:USR1@...): stop taking requests, let streams finish.
 drain() {
-  say "time limit near: draining (serve shutdown waits for running requests)"
+  say "time limit near: draining (running requests finish; new ones are refused)"
   endpoint draining "the job's time limit is near"
-  # Serve stops routing to the replicas and gives each its graceful_shutdown_timeout_s for running requests; the
-  # command returns after at most 30 s, so wait here until the last replica is gone before the job's Ray stops.
-  serve shutdown -y --address "http://127.0.0.1:$DASHBOARD_PORT" || true
-  local waited=0 live
+  # Deploying the job's YAML without applications deletes them gracefully while Serve's proxies stay up: each replica
+  # finishes its running requests (graceful_shutdown_timeout_s) and HAProxy's reload leaves the streams it carries to
+  # the replaced process. (`serve shutdown` first would stop the proxies at once, HAProxy with its streams.)
+  serve deploy "$SUMMIT_DRAIN_CONFIG" --address "http://127.0.0.1:$DASHBOARD_PORT" >/dev/null || true
+  local waited=0 live replaced
+  sleep 2
   live=$(live_replicas)
-  while [ "$live" -gt 0 ] && [ "$waited" -lt "$DRAIN_WAIT_S" ]; do
+  replaced=$(replaced_haproxies)
+  while [ $((live + replaced)) -gt 0 ] && [ "$waited" -lt "$DRAIN_WAIT_S" ]; do
     sleep 2
     waited=$((waited + 2))
     live=$(live_replicas)
+    replaced=$(replaced_haproxies)
   done
-  if [ "$live" -gt 0 ]; then
+  serve shutdown -y --address "http://127.0.0.1:$DASHBOARD_PORT" >/dev/null || true
+  if [ $((live + replaced)) -gt 0 ]; then
     say "drain: $live replica(s) still had running requests after ${DRAIN_WAIT_S}s; stopping anyway"
     endpoint stopped "not drained: $live replica(s) still had running requests after ${DRAIN_WAIT_S}s (DRAIN_WAIT_S)"
   else

@@ -57,6 +57,22 @@ for i, chunk in enumerate(client.completions.create(model="tiny-llama", prompt="
 print(json.dumps({"finish": finish, "tokens": usage.completion_tokens if usage else None}), flush=True)
 """
 
+# One new request's answer: "<status> <error type or ok>" (urllib: a refusal is an answer here, not a retry).
+NEW_REQUEST = """
+import json, sys, urllib.error, urllib.request
+body = json.dumps({"model": "tiny-llama", "prompt": "Late", "max_tokens": 2}).encode()
+request = urllib.request.Request(sys.argv[1] + "/completions", body, {"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        print(reply.status, "ok")
+except urllib.error.HTTPError as e:
+    body = e.read()
+    try:
+        print(e.code, json.loads(body)["error"]["type"])
+    except (ValueError, KeyError, TypeError):
+        print(e.code, "not-OpenAI-shaped:", body[:80])
+"""
+
 
 def job_processes(job_id: str) -> list[psutil.Process]:
     """Processes on this machine (any node's namespace) that a SLURM step of the job started."""
@@ -296,6 +312,20 @@ def test_a_two_node_job_serves_reports_a_lost_node_and_drains_at_the_time_limit(
                 time.sleep(0.5)
             assert (job.endpoint() or {}).get("state") == "draining", (job.endpoint(), job.tail())
             assert stream.poll() is None, "the stream ended before the drain began"
+            # a new request is refused (OpenAI-shaped) while the running stream goes on
+            deadline, answer = time.monotonic() + 90, ""
+            while time.monotonic() < deadline and stream.poll() is None:
+                answer = subprocess.run(
+                    [*slurm.head.net_prefix, sys.executable, "-c", NEW_REQUEST, f"http://127.0.0.1:{state['port']}/v1"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                ).stdout.strip()
+                if answer and not answer.endswith(" ok"):
+                    break
+                time.sleep(1)
+            assert answer.split()[:1] == ["503"] and "not-OpenAI" not in answer, (answer, job.tail())
+            assert stream.poll() is None, "the stream ended while the drain was refusing new requests"
         except BaseException:
             stream.kill()
             raise

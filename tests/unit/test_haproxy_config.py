@@ -59,6 +59,12 @@ def test_haproxys_own_answers_become_openai_errors(tmp_path):
         assert error["code"] == status and error["message"] and error["type"]
     assert f"status 404 content-type application/json file {tmp_path}/answers/404.json" in config
     assert json.loads((tmp_path / "answers/404.json").read_bytes())["error"]["code"] == 404
+    frontend = config[config.index("frontend http_frontend") :].split("\nbackend ", 1)[0]
+    assert (
+        f"    http-response return status 503 content-type application/json file {tmp_path}/answers/no-app-503.json "
+        "hdr Retry-After 1 if { status 404 } !{ res.hdr(content-type) -m sub json }\n"
+    ) in frontend
+    assert json.loads((tmp_path / "answers/no-app-503.json").read_bytes())["error"]["code"] == 503
     assert (
         f"status 503 content-type application/json file {tmp_path}/answers/router-503.json hdr Retry-After 1 "
         "hdr X-Serve-Reason"
