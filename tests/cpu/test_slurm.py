@@ -6,8 +6,8 @@ stop alone; a node lost mid-job is reported in endpoint.json while the job keeps
 time limit drains the job: a running stream ends complete, then the job stops.
 
 The job is `cluster_yaml/slurm/summit.sbatch` as shipped, with only sbatch options and environment on the command
-line (docs/deployment/slurm.md shows the same commands): `--nodes=2 --gpus-per-node=0 --cpus-per-task=2`, and
-GPUS_PER_NODE=0, SERVE_CONFIG, SUMMIT_VENV, RAY_AUTH_TOKEN_PATH, SUMMIT_TINY_MODEL.
+line (docs/deployment/slurm.md shows the same commands): `--nodes=2 --gpus-per-node=0 --cpus-per-task=1
+--exclusive=user`, and GPUS_PER_NODE=0, SERVE_CONFIG, SUMMIT_VENV, RAY_AUTH_TOKEN_PATH, SUMMIT_TINY_MODEL.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def wait_ready(slurm: SlurmCluster, job: Job, timeout_s: float = 900) -> dict:
         state = job.endpoint()
         if state and state["state"] in ("ready", "failed", "stopped"):
             break
-        assert job.id in " ".join(slurm.jobs()), (slurm.jobs(), job.tail())
+        assert job.id in job_ids(slurm), (slurm.jobs(), job.tail())
         time.sleep(3)
     assert state is not None and state["state"] == "ready", (state, job.tail())
     print(f"job {job.id}: ready in {time.monotonic() - started:.0f} s; {state['ssh_tunnel']}")
@@ -196,6 +196,11 @@ def ask(slurm: SlurmCluster, port: int, timeout: float = 180) -> dict:
     return json.loads(answer.stdout.strip().splitlines()[-1])
 
 
+def job_ids(slurm: SlurmCluster) -> set[str]:
+    """The ids of the jobs in squeue (a line's first field: an id such as 2 is also in a node list like n[1-2])."""
+    return {line.split()[0] for line in slurm.jobs() if line.strip()}
+
+
 def squeue_line(slurm: SlurmCluster, job: Job) -> str:
     (line,) = [j for j in slurm.jobs() if j.split()[0] == job.id]
     return line
@@ -204,9 +209,9 @@ def squeue_line(slurm: SlurmCluster, job: Job) -> str:
 def wait_gone(slurm: SlurmCluster, job: Job, timeout_s: float = 90) -> None:
     """The job has left squeue and no process of it is left on any node."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and (job.id in " ".join(slurm.jobs()) or job_processes(job.id)):
+    while time.monotonic() < deadline and (job.id in job_ids(slurm) or job_processes(job.id)):
         time.sleep(2)
-    assert job.id not in " ".join(slurm.jobs()), job.tail()
+    assert job.id not in job_ids(slurm), job.tail()
     left = [(p.pid, p.name()) for p in job_processes(job.id) if p.is_running()]
     assert not left, f"processes of job {job.id} left: {left}"
 
@@ -226,53 +231,42 @@ def port_binds(slurm: SlurmCluster, port: int) -> subprocess.CompletedProcess:
     )
 
 
-def test_two_jobs_on_one_node_get_their_own_ports_and_stop_alone(slurm, tiny_model_dir, tmp_path):
-    """Two one-node jobs of one CPU each, both on n1: each its own Ray, ports, temp dir and endpoint. The shipped
-    script asks for whole nodes (`--exclusive`); `--exclusive=user` on the command line lets one user's jobs share."""
-    jobs = [
-        submit(
-            slurm, tmp_path, tiny_model_dir, name, "--nodes=1", "--nodelist=n1", "--cpus-per-task=1", "--exclusive=user"
-        )
-        for name in ("a", "b")
-    ]
-    a, b = (wait_ready(slurm, job) for job in jobs)
-    for job in jobs:
-        assert squeue_line(slurm, job).split()[1:] == ["RUNNING", "n1"], slurm.jobs()
-    ports = {key: (a[key], b[key]) for key in ("port", "dashboard")}
-    assert a["port"] != b["port"] and a["dashboard"] != b["dashboard"], ports
-    for state in (a, b):
-        assert ask(slurm, state["port"])["tokens"] == 8
-
-    slurm.run("scancel", jobs[1].id)
-    wait_gone(slurm, jobs[1])
-    assert ask(slurm, a["port"])["tokens"] == 8, "job a answers after job b on the same node stopped"
-    assert port_binds(slurm, b["port"]).returncode == 0, f"job b's port {b['port']} still taken"
-    slurm.run("scancel", jobs[0].id)
-    wait_gone(slurm, jobs[0])
-
-
-def test_a_two_node_job_serves_reports_a_lost_node_and_drains_at_the_time_limit(slurm, tiny_model_dir, tmp_path):
-    """One job of the shipped script on two nodes (one job for three claims: each costs CI a Ray cluster and an
-    engine): it serves from both nodes. Kill the worker node's step (as when a node dies): endpoint.json names it, the
-    job keeps serving. Then SLURM's signal ahead of the time limit (`--signal=B:USR1@300` in the script; sent here
-    with `scancel --batch`) while a stream runs: the stream ends complete, the endpoint says stopped, the job leaves
-    nothing behind. (scancel: test_two_jobs_on_one_node_get_their_own_ports_and_stop_alone.)"""
+def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_at_the_time_limit(
+    slurm, tiny_model_dir, tmp_path
+):
+    """Two jobs of the shipped script at once (each job costs CI a Ray cluster and an engine, so one test for every
+    claim): job `lost` on two nodes, job `b` on one, both on n1 with one CPU a node (the script asks for whole nodes,
+    `--exclusive`; `--exclusive=user` on the command line lets one user's jobs share). Each has its own Ray, ports,
+    temp dir and endpoint; `lost` serves from both nodes. `scancel` of `b` stops it alone and frees its port. Kill
+    `lost`'s worker node's step (as when a node dies): endpoint.json names it, the job keeps serving. Then SLURM's
+    signal ahead of the time limit (`--signal=B:USR1@300` in the script; sent here with `scancel --batch`) while a
+    stream runs: new requests get a 503, the stream ends complete, the endpoint says stopped, nothing is left."""
     config = yaml.safe_load((REPO / "serve_configs/tiny-cpu.yaml").read_text())
     # long enough for the test's stream on a loaded 2-core machine (the default is 20 s)
     config["applications"][0]["args"]["models"][0]["deployment"]["graceful_shutdown_timeout_s"] = 120
     config_path = tmp_path / "tiny-cpu-drain.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     started = time.monotonic()
-    job = submit(slurm, tmp_path, tiny_model_dir, "lost", "--nodes=2", "--cpus-per-task=2", config=config_path)
-    state = wait_ready(slurm, job)
-    print(f"job {job.id}: submitted -> ready in {time.monotonic() - started:.0f} s")
-    line = squeue_line(slurm, job)
-    assert line.split()[1] == "RUNNING" and line.split()[2] == "n[1-2]", line  # squeue: both nodes
+    shared = ("--cpus-per-task=1", "--exclusive=user")
+    job = submit(slurm, tmp_path, tiny_model_dir, "lost", "--nodes=2", *shared, config=config_path)
+    other = submit(slurm, tmp_path, tiny_model_dir, "b", "--nodes=1", "--nodelist=n1", *shared)
+    state, b = wait_ready(slurm, job), wait_ready(slurm, other)
+    print(f"jobs {job.id}, {other.id}: submitted -> ready in {time.monotonic() - started:.0f} s")
+    assert squeue_line(slurm, job).split()[1:3] == ["RUNNING", "n[1-2]"], slurm.jobs()  # squeue: both nodes
+    assert squeue_line(slurm, other).split()[1:3] == ["RUNNING", "n1"], slurm.jobs()
+    ports = {key: (state[key], b[key]) for key in ("port", "dashboard")}
+    assert state["port"] != b["port"] and state["dashboard"] != b["dashboard"], ports
     reply = ask(slurm, state["port"])
     assert reply["tokens"] == 8 and reply["models"] == ["tiny-llama"], reply
+    assert ask(slurm, b["port"])["tokens"] == 8
     ray_nodes = {log.name for log in job.logs.glob("ray-*.log")}
     assert ray_nodes == {"ray-head.log", "ray-worker-n2.log"}, ray_nodes
-    assert job_processes(job.id), "the job's processes carry SLURM_JOB_ID"
+    assert job_processes(job.id) and job_processes(other.id), "each job's processes carry its SLURM_JOB_ID"
+
+    slurm.run("scancel", other.id)
+    wait_gone(slurm, other)
+    assert ask(slurm, state["port"])["tokens"] == 8, "job lost answers after job b on the same node stopped"
+    assert port_binds(slurm, b["port"]).returncode == 0, f"job b's port {b['port']} still taken"
 
     steps = slurm.run("squeue", "-h", "-s", "-j", job.id, "-o", "%i %N").stdout.split("\n")
     (worker_step,) = [line.split()[0] for line in steps if line.strip().endswith(" n2")]
