@@ -193,7 +193,6 @@ drain() {
   # the replaced process. (`serve shutdown` first would stop the proxies at once, HAProxy with its streams.)
   serve deploy "$SUMMIT_DRAIN_CONFIG" --address "http://127.0.0.1:$DASHBOARD_PORT" >/dev/null || true
   local waited=0 live replaced
-  sleep 2
   live=$(live_replicas)
   replaced=$(replaced_haproxies)
   while [ $((live + replaced)) -gt 0 ] && [ "$waited" -lt "$DRAIN_WAIT_S" ]; do
@@ -204,8 +203,8 @@ drain() {
   done
   serve shutdown -y --address "http://127.0.0.1:$DASHBOARD_PORT" >/dev/null || true
   if [ $((live + replaced)) -gt 0 ]; then
-    say "drain: $live replica(s) still had running requests after ${DRAIN_WAIT_S}s; stopping anyway"
-    endpoint stopped "not drained: $live replica(s) still had running requests after ${DRAIN_WAIT_S}s (DRAIN_WAIT_S)"
+    say "drain: $live replica(s) and $replaced replaced HAProxy process(es) still had running requests after ${DRAIN_WAIT_S}s; stopping anyway"
+    endpoint stopped "not drained: $live replica(s) and $replaced replaced HAProxy process(es) still had running requests after ${DRAIN_WAIT_S}s (DRAIN_WAIT_S)"
   else
     endpoint stopped "drained before the time limit (${waited}s)"
   fi
