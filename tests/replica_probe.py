@@ -68,9 +68,22 @@ def kill_replica(app_name: str, deployment: str, replica_id: str) -> str:
 _DRIVERS: dict[str, subprocess.Popen] = {}
 
 
-def probe(address: str, *args: str, timeout_s: float = 180, _retried: bool = False) -> Any:
+def probe(address: str, *args: str, timeout_s: float = 180) -> Any:
     """Ask the cluster at `address` through this module's driver subprocess (started on first use); its JSON answer.
     RuntimeError with the driver's error; subprocess.TimeoutExpired (the driver killed) after `timeout_s`."""
+    reply = _ask(address, args, timeout_s)
+    if "DeploymentUnavailableError" in reply.get("error", ""):
+        # the driver's Serve router of a deployment whose application was shut down and deployed again stays
+        # unavailable for the life of that process: a new driver finds the new application
+        stop_probes(address)
+        reply = _ask(address, args, timeout_s)
+    if "error" in reply:
+        raise RuntimeError(f"replica_probe {' '.join(args)} failed: {reply['error']}")
+    return reply["answer"]
+
+
+def _ask(address: str, args: tuple[str, ...], timeout_s: float) -> dict:
+    """One question to the driver subprocess of `address` (started when there is none); its reply."""
     driver = _DRIVERS.get(address)
     if driver is None or driver.poll() is not None:
         driver = _DRIVERS[address] = subprocess.Popen(
@@ -91,15 +104,7 @@ def probe(address: str, *args: str, timeout_s: float = 180, _retried: bool = Fal
         if not ready:
             raise subprocess.TimeoutExpired(["replica_probe", *args], timeout_s)
         raise RuntimeError(f"replica_probe {' '.join(args)}: the driver exited")
-    reply = json.loads(line)
-    if "DeploymentUnavailableError" in reply.get("error", "") and not _retried:
-        # the driver's Serve router of a deployment whose application was shut down and deployed again stays
-        # unavailable for the life of that process: a new driver finds the new application
-        stop_probes(address)
-        return probe(address, *args, timeout_s=timeout_s, _retried=True)
-    if "error" in reply:
-        raise RuntimeError(f"replica_probe {' '.join(args)} failed: {reply['error']}")
-    return reply["answer"]
+    return json.loads(line)
 
 
 def stop_probes(address: str | None = None) -> None:
