@@ -7,7 +7,7 @@ import json
 import multiprocessing
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -34,6 +34,8 @@ class LoadResult:
     cpu_breakdown: list[tuple[str, float]] | None = None
     # time per output token after the first, per request (decode speed as each client saw it)
     tpot_s: list[float] | None = None
+    # extra figures a benchmark adds to its row (bench/pd.py: the decode replica's phases)
+    extra: dict = field(default_factory=dict)
 
     @property
     def tok_per_s(self) -> float:
@@ -60,6 +62,7 @@ class LoadResult:
                     "tpot_p99_ms": round(percentile(self.tpot_s, 99) * 1000, 2),
                 }
             ),
+            **self.extra,
         }
 
     def cpu_per_1k_tok(self) -> float | None:

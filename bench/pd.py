@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation: Summit's (1 prefill + 1 decode replica) vs Summit aggregated (2 replicas) vs vLLM's
 own two-server disaggregation (prefill and decode `vllm serve` behind bench/pd_proxy.py), same engines, connector
 and load, one after the other in one run. Long prompts, streamed answers: TTFT p50/p99, time per output token
-(TPOT) p50/p99 and output tok/s at each concurrency.
+(TPOT) p50/p99 and output tok/s at each concurrency; for Summit's disaggregation also the decode replica's phases
+(prefill pool's answer, KV load + first token, stream: p50/p99 from its log lines).
 
     # the 2-core CPU box (rehearsal): tiny model, vLLM's shared-storage connector
     python bench/pd.py --concurrency 4 8 --prompt-words 600 --max-tokens 64
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +83,39 @@ def summit_config(ns: argparse.Namespace, model: dict) -> dict:
     }
 
 
+_PHASE_LINE = re.compile(r"PD request (\S+) \(\S+\): prefill ([\d.]+) ms, first_token ([\d.]+) ms, stream ([\d.]+) ms")
+_PHASES = ("prefill", "first_token", "stream")
+
+
+class DecodePhases:
+    """After each load, the phases the decode replica logged for its requests (one line per disaggregated request,
+    deployments/observability/watch.py): p50/p99 of each, added to the load's row."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+
+    def __call__(self, cluster, result: LoadResult) -> None:
+        lines = []
+        for f in (cluster.temp_dir / "session_latest" / "logs" / "serve").glob("replica_*.log"):
+            for m in _PHASE_LINE.finditer(f.read_text(errors="replace")):
+                if m[1] not in self.seen:
+                    self.seen.add(m[1])
+                    lines.append(m.groups()[1:])
+        new: dict[str, list[float]] = {}
+        for values in lines[-result.requests :]:  # the load's own requests (the warm-up's came first)
+            for phase, ms in zip(_PHASES, values):
+                new.setdefault(phase, []).append(float(ms))
+        result.extra["pd_requests_logged"] = len(new.get("prefill", []))
+        for phase, values in new.items():
+            result.extra[f"{phase}_p50_ms"] = round(percentile(values, 50), 1)
+            result.extra[f"{phase}_p99_ms"] = round(percentile(values, 99), 1)
+        print(
+            f"  c={result.concurrency} decode replica's phases (p50/p99 ms): "
+            + ", ".join(f"{p} {result.extra.get(p + '_p50_ms')}/{result.extra.get(p + '_p99_ms')}" for p in _PHASES),
+            flush=True,
+        )
+
+
 def bench_summit_pd(ns, model_dir):
     model = summit_model(
         ns,
@@ -91,7 +126,7 @@ def bench_summit_pd(ns, model_dir):
             "kv_buffer_device": buffer_device(ns),
         },
     )
-    return serve_peer(ns, summit_config(ns, model), engine_env(ns), haproxy=True)
+    return serve_peer(ns, summit_config(ns, model), engine_env(ns), haproxy=True, observe=DecodePhases())
 
 
 def bench_summit_agg(ns, model_dir):

@@ -117,8 +117,11 @@ def hbm_bound_tok_s(model_dir: str, bandwidth_gbs: float) -> float:
     return bandwidth_gbs * 1e9 / streamed
 
 
-def run_loads(base_url: str | list[str], ns: argparse.Namespace, server_pids: list[int]) -> list[LoadResult]:
-    """Each concurrency level's load over the models, with the CPU the servers' process trees used meanwhile."""
+def run_loads(
+    base_url: str | list[str], ns: argparse.Namespace, server_pids: list[int], after_each=None
+) -> list[LoadResult]:
+    """Each concurrency level's load over the models, with the CPU the servers' process trees used meanwhile;
+    `after_each(result)` (optional) adds what the server measured to the result."""
     models = model_names(ns)
     asyncio.run(
         run_load(
@@ -139,6 +142,8 @@ def run_loads(base_url: str | list[str], ns: argparse.Namespace, server_pids: li
         result.serving_cpu_s = sum(cpu_used_s(b, a) for b, a in zip(before, after))
         merged_before = {k: v for b in before for k, v in b.items()}
         result.cpu_breakdown = cpu_by_process(merged_before, {k: v for a in after for k, v in a.items()})
+        if after_each is not None:
+            after_each(result)
         print(
             f"  c={c}: {result.tok_per_s:.0f} tok/s, TTFT p50 {result.ttft_pct(50) * 1e3:.1f} ms, "
             f"p99 {result.ttft_pct(99) * 1e3:.1f} ms; CPU s by process: "
@@ -246,16 +251,19 @@ MONITORING_ON = {"metrics": True, "tracing": {"exporter": "memory"}}
 
 
 def serve_peer(
-    ns: argparse.Namespace, config: dict, env: dict[str, str], haproxy: bool
+    ns: argparse.Namespace, config: dict, env: dict[str, str], haproxy: bool, observe=None
 ) -> tuple[float, list[LoadResult]]:
-    """A private Ray cluster with `config` deployed: (seconds until it answered, the loads' results)."""
+    """A private Ray cluster with `config` deployed: (seconds until it answered, the loads' results);
+    `observe(cluster, result)` (optional) runs after each load, before the cluster stops."""
     cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=haproxy)
     try:
         t0 = time.monotonic()
         cluster.start()
         cluster.serve_deploy(config, timeout_s=ns.start_timeout)
         ready = time.monotonic() - t0
-        return ready, run_loads(cluster.base_url, ns, [cluster.proc.pid])  # `ray start --block`: every Ray process
+        after_each = None if observe is None else (lambda result: observe(cluster, result))
+        # `ray start --block`: every Ray process
+        return ready, run_loads(cluster.base_url, ns, [cluster.proc.pid], after_each)
     finally:
         cluster.stop()
 

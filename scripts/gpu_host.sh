@@ -31,6 +31,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl/*.whl
   export PYTHONPATH=/tmp/site-extra:$PYTHONPATH
 fi
+# NIXL (vLLM's NixlConnector: `pd`, and tests/gpu/test_pd_gpu.py) when its wheels travel in .whl-nixl (carried)
+if compgen -G ".whl-nixl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl-nixl/*.whl
+  export PYTHONPATH=/tmp/site-extra:$PYTHONPATH
+fi
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 # Serve's HAProxy: the kit's bundled binary loses its exec bit in the tar; summit-haproxy (loopback stats/metrics)
 # is a console script of the pip-installed package, so it gets a two-line stand-in on PATH here.
@@ -87,10 +92,6 @@ pd|pd1)
   peer=${2:?usage: gpu_host.sh pd summit-pd|summit-agg|vllm-pd}
   extra=()
   [ "$step" = pd1 ] && extra=(--same-gpu --gpu-memory-utilization 0.4 --concurrency 4)
-  if compgen -G ".whl-nixl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl-nixl/*.whl
-    export PYTHONPATH=/tmp/site-extra:$PYTHONPATH
-  fi
   python3 -c "import nixl._api" || { echo "NIXL does not import"; exit 3; }
   python3 bench/pd.py --model-dir "$model8b" --accelerator gpu --load-format dummy --connector nixl \
     --concurrency 8 32 128 --requests-per-stream 2 --prompt-words 1500 --max-tokens 256 --max-num-seqs 256 \

@@ -3,12 +3,15 @@ exports them (Prometheus names get Ray's `ray_` prefix: `ray_summit_...`), besid
 `EngineMetricsBridge` mirrors there (`ray_vllm_...`, labelled `model_name`, `engine` and `ReplicaId`). Summit's
 carry `model` and `replica` (the Serve replica id) where a replica records them.
 
-What is measured (monitoring/summit-dashboard.json has a panel for each):
+What is measured (monitoring/summit-dashboard.json has a panel for each, but the PD phases: the dashboard's test
+load has no disaggregated model; docs/features/disaggregated-prefill.md gives their query):
 - `summit_arrival_to_engine_seconds`: from the request's arrival (at the route picker, the two-hop ingress or the
   replica, whichever came first) to vLLM's app in the replica receiving it — routing, hops and queueing; the rest of
   a request's life is the engine's (vLLM's TTFT, inter-token and e2e histograms);
 - `summit_routing_decisions`: each routing decision, by model, policy and outcome (affinity `hit`, `spill` to a less
   loaded replica, `new` key, `least_load` without a key, `fallback` when the model had no replica);
+- `summit_pd_phase_seconds`: a disaggregated request's phases on its decode replica (`phase`: prefill,
+  first_token, stream), so a slow first token tells whether the prefill pool or the KV load took the time;
 - `summit_overload_rejections`, `summit_client_aborts` (a client that left mid-request: the engine request aborted);
 - `summit_batch_lines` (Batch API lines finished, by outcome) and `summit_batches_active`;
 - `summit_replica_load_stage` (1 engine start: weights, KV-cache profiling, compilation; 2 warm-up; 3 ready) and
@@ -206,6 +209,16 @@ class ReplicaMetrics:
             "client_gone.",
             1,
             {**self.tags, "outcome": outcome},
+        )
+
+    def pd_phase(self, phase: str, seconds: float) -> None:
+        _record(
+            "histogram",
+            "summit_pd_phase_seconds",
+            "A disaggregated request's phases on its decode replica: prefill (the prefill pool's answer: hop, queue, "
+            "prompt), first_token (decode engine: KV load and the first token), stream (the rest of the answer).",
+            max(0.0, seconds),
+            {**self.tags, "phase": phase},
         )
 
     def load_stage(self, stage: str) -> None:

@@ -3,12 +3,15 @@ the front at each step (deployments/observability/metrics.py, deployments/observ
 
 from __future__ import annotations
 
+import logging
 import time
 
 from deployments.http.protocol import ARRIVAL_HEADER, REQUEST_ID_HEADER
 from deployments.http.protocol import header as _header
 from deployments.observability.metrics import ReplicaMetrics
 from deployments.observability.tracing import DECISION_HEADER, RequestTrace, Tracing, parse_decision
+
+logger = logging.getLogger("ray.serve")
 
 _MAX_EARLIER_S = 600.0  # a clock between nodes that is off by more than this is not believed
 
@@ -41,29 +44,44 @@ class RequestWatch:
         internal: bool,
     ):
         self.metrics = metrics
+        self._model = model
+        request_id = _header(headers, REQUEST_ID_HEADER)
+        self._request_id = request_id.decode("latin-1") if request_id else ""
         now_ns = time.time_ns()
         self._arrival_s = arrival_s(headers, internal, now_ns / 1e9)
         self.trace: RequestTrace | None = None
         if tracing is not None and tracing.enabled:
-            request_id = _header(headers, REQUEST_ID_HEADER)
             self.trace = tracing.request(
                 headers,
                 {
                     "http.route": scope["path"],
                     "gen_ai.request.model": model,
                     "summit.replica": replica,
-                    "summit.request_id": request_id.decode("latin-1") if request_id else "",
+                    "summit.request_id": self._request_id,
                 },
                 int(self._arrival_s * 1e9),
             )
             self.trace.routed(parse_decision(_header(headers, DECISION_HEADER)), replica, now_ns)
         self.status: int | None = None
         self._ended = False
+        # a disaggregated request's phases (time.time_ns): prefill pool's answer, decode engine's start, first output
+        self._prefill_ns: int | None = None
+        self._engine_ns: int | None = None
+        self._first_ns: int | None = None
 
     def span(self, name: str, start_ns: int, end_ns: int | None = None, attributes: dict | None = None):
         return None if self.trace is None else self.trace.child(name, start_ns, end_ns, attributes)
 
+    def prefilled(self, start_ns: int, end_ns: int, phases: bool) -> None:
+        """A disaggregated request asked its prefill pool (hop, queue and prefill there); `phases`: the pool ran the
+        prompt, so the decode engine loads its KV (the request's phases are recorded when it ends)."""
+        self.span("summit.prefill_pool", start_ns, end_ns)
+        if phases:
+            self._prefill_ns = end_ns - start_ns
+
     def engine_received(self) -> None:
+        if self._prefill_ns is not None:
+            self._engine_ns = time.time_ns()
         if self.metrics is not None:
             self.metrics.arrival_to_engine(time.time() - self._arrival_s)
         if self.trace is not None:
@@ -75,6 +93,8 @@ class RequestWatch:
         return headers
 
     def first_output(self) -> None:
+        if self._engine_ns is not None and self._first_ns is None:
+            self._first_ns = time.time_ns()
         if self.trace is not None:
             self.trace.first_output()
 
@@ -84,5 +104,26 @@ class RequestWatch:
         self._ended = True
         if aborted and self.metrics is not None:
             self.metrics.client_abort()
+        if self._engine_ns is not None and not aborted and self.status == 200:
+            self._pd_phases()
         if self.trace is not None:
             self.trace.end(self.status, aborted)
+
+    def _pd_phases(self) -> None:
+        """A disaggregated request's phases: a metric each, and one log line (bench/pd.py reads them)."""
+        end_ns = time.time_ns()
+        first_ns = self._first_ns or end_ns  # not streamed: the whole answer came at once
+        phases = {
+            "prefill": self._prefill_ns / 1e9,
+            "first_token": (first_ns - self._engine_ns) / 1e9,
+            "stream": (end_ns - first_ns) / 1e9,
+        }
+        if self.metrics is not None:
+            for phase, seconds in phases.items():
+                self.metrics.pd_phase(phase, seconds)
+        logger.info(
+            "PD request %s (%s): prefill %.1f ms, first_token %.1f ms, stream %.1f ms",
+            self._request_id,
+            self._model,
+            *(s * 1e3 for s in phases.values()),
+        )

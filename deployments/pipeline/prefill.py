@@ -146,18 +146,20 @@ def prefill_first(pd: Disaggregated):
         if limit := pd.limit(ctx.path, payload):
             return OpenAIError(400, limit)
         started_ns = time.time_ns()
+        prefilled = False
         try:
-            ctx.body = await _prefilled_body(pd, ctx, payload)
+            ctx.body, prefilled = await _prefilled_body(pd, ctx, payload)
         finally:
             if ctx.watch is not None:
-                ctx.watch.span("summit.prefill_pool", started_ns, time.time_ns())
+                ctx.watch.prefilled(started_ns, time.time_ns(), phases=prefilled)
         return None
 
     return step
 
 
-async def _prefilled_body(pd: Disaggregated, ctx: RequestContext, payload: dict) -> bytes:
-    """The body the decode engine runs; raises the refusal (or Answered when the client left)."""
+async def _prefilled_body(pd: Disaggregated, ctx: RequestContext, payload: dict) -> tuple[bytes, bool]:
+    """The body the decode engine runs, and whether the prefill pool ran the prompt (False: the decode engine
+    computes it, `fallback: aggregated`); raises the refusal (or Answered when the client left)."""
     client_id = ctx.client_request_id
     headers = without(ctx.headers, HOP_HEADERS) + [(REQUEST_ID_HEADER, client_id)]
     try:
@@ -171,8 +173,8 @@ async def _prefilled_body(pd: Disaggregated, ctx: RequestContext, payload: dict)
                 f"The model's prefill pool could not serve this request ({e}); retry."
             ) from None
         logger.warning("request %s: prefill failed (%s); the decode engine computes the prompt", client_id.decode(), e)
-        return decode_body(payload, None)
+        return decode_body(payload, None), False
     if "error" in answer:
         status, error = answer["error"]
         raise OpenAIError.from_body(status, error)
-    return decode_body(payload, answer["kv_transfer_params"])
+    return decode_body(payload, answer["kv_transfer_params"]), True

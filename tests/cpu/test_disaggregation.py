@@ -10,6 +10,8 @@ tokens): shorter ones transfer nothing.
 
 from __future__ import annotations
 
+import re
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -68,14 +70,16 @@ def document(i: int) -> str:
     return engine_apps.document(i, title="Note", seed_offset=1000)  # texts of their own (the KV store is keyed by them)
 
 
-def complete(http: httpx.Client, model: str, prompt: str, **extra) -> httpx.Response:
+def complete(http: httpx.Client, model: str, prompt: str, headers=None, **extra) -> httpx.Response:
     return http.post(
         "/v1/completions",
+        headers=headers,
         json={"model": model, "prompt": prompt, "max_tokens": 16, "ignore_eos": True, "temperature": 0, **extra},
     )
 
 
 _SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+_PD_PHASES = ("prefill", "first_token", "stream")
 
 
 def decode_counters(cluster) -> dict:
@@ -94,6 +98,11 @@ def decode_counters(cluster) -> dict:
                 f"prompt_{source}": total(s, "ray_vllm_prompt_tokens_by_source_total", ReplicaId=replica, source=source)
                 for source in _SOURCES
             },
+            # the decode replica's own count of disaggregated requests, per phase (summit_pd_phase_seconds)
+            **{
+                f"pd_{phase}": total(s, "ray_summit_pd_phase_seconds_count", model=PD, phase=phase)
+                for phase in _PD_PHASES
+            },
         }
 
     return settled(read)
@@ -111,7 +120,8 @@ def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_d
     n = len(r.json()["tokens"])
     assert n > 2 * KV_BLOCK
     before = decode_counters(pd_app)
-    agg, pd = complete(http, AGG, prompt), complete(http, PD, prompt)
+    ids = {m: f"phases-{m}-{uuid.uuid4().hex[:8]}" for m in (AGG, PD)}
+    agg, pd = (complete(http, m, prompt, headers={"x-request-id": ids[m]}) for m in (AGG, PD))
     assert agg.status_code == 200 and pd.status_code == 200, (
         agg.status_code,
         agg.text[:300],
@@ -127,6 +137,24 @@ def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_d
     assert loaded == whole_blocks, (loaded, whole_blocks, after)
     assert computed == n - whole_blocks, (computed, after)  # only the tail past the last whole block is computed
     assert any(kv_dir.iterdir()), "the prefill engine stored no KV"
+    # the decode replica measured the request's phases: one more of each in its metric, and its log line
+    assert all(after[f"pd_{p}"] - before[f"pd_{p}"] == 1 for p in _PD_PHASES), (before, after)
+    lines = pd_phase_lines(pd_app)
+    assert ids[AGG] not in lines, lines  # an aggregated request has no such phases
+    phases = lines[ids[PD]]
+    assert phases["prefill"] > 0 and phases["first_token"] > 0 and phases["stream"] >= 0, phases
+
+
+_PHASE_LINE = re.compile(r"PD request (\S+) \(\S+\): prefill ([\d.]+) ms, first_token ([\d.]+) ms, stream ([\d.]+) ms")
+
+
+def pd_phase_lines(cluster) -> dict[str, dict[str, float]]:
+    """{request id: its phases in ms} from the replicas' logs (the decode replica writes one line per request)."""
+    out = {}
+    for f in (cluster.temp_dir / "session_latest" / "logs" / "serve").glob("replica_*.log"):
+        for m in _PHASE_LINE.finditer(f.read_text(errors="replace")):
+            out[m[1]] = dict(zip(_PD_PHASES, map(float, m.groups()[1:])))
+    return out
 
 
 def test_streams_chat_n_and_stop_behave_as_aggregated(http):
@@ -225,8 +253,6 @@ def test_a_client_leaving_during_its_prefill_cancels_it_there(pd_app, http):
     byte: the decode replica's front cancels the prefill call (Serve logs it CANCELLED on the prefill replica), the
     prefill engine, resumed, ends with nothing unfinished and no KV held, and the decode engine never generates a
     token for it."""
-    import uuid
-
     request_id = f"gone-in-prefill-{uuid.uuid4().hex[:8]}"
     logs = pd_app.temp_dir / "session_latest" / "logs" / "serve"
 
