@@ -4,10 +4,9 @@
 
 1. The seeds' note (004): Llama 2 7B through vLLM (August 2023) on 1, 2 and 4 A100-40GB, one engine with
    tensor_parallel_size = GPUs, 59 prompts to `llm.generate`: 842.9 / 699.1 / 650.7 tok/s.
-2. This project's own TP=2 × 1 vs TP=1 × 2 on 2 × H200 (`bash scripts/gpu_host.sh bench`), where bench/results has
-   them (not yet: the two-GPU kinds were not lent since TP=2 first failed there).
-The coefficients in app/plan/throughput.py come from one-GPU runs only; this prints each prediction beside the figure
-and whether the ranking agrees.
+2. Summit's 8B on two GPUs (`bash scripts/gpu_host.sh bench 2x1|1x2`): 1 x TP 2 on 2 x H200 and 2 x TP 1 on 2 x H100.
+The coefficients in app/plan/throughput.py come from one-GPU runs, except the all-reduce latency, taken from one
+two-GPU figure (TP 2, one stream, marked "fit"); this prints each prediction beside its figure.
 """
 
 from __future__ import annotations
@@ -20,6 +19,16 @@ from app.plan.planner import load_shape
 from app.plan.throughput import Workload, estimate
 
 SEED_7B_A100 = {1: 842.9, 2: 699.1, 4: 650.7}  # tok/s of one engine with TP = GPUs (seeds/004)
+# (gpu, replicas, tp, streams, Summit tok/s, source): bench/results/h200x2-2026-11-26.md (1 x TP 2, vLLM's mp
+# executor) and bench/results/h100x2-2026-11-26.md (2 x TP 1); "fit": ALLREDUCE_LATENCY was taken from that figure
+MEASURED_8B_2GPU = [
+    ("h200-141gb", 1, 2, 1, 286.3, "fit"),
+    ("h200-141gb", 1, 2, 32, 7134.0, "h200x2-2026-11-26"),
+    ("h200-141gb", 1, 2, 256, 20308.0, "h200x2-2026-11-26"),
+    ("h100-80gb", 2, 1, 1, 153.9, "h100x2-2026-11-26"),
+    ("h100-80gb", 2, 1, 32, 3656.4, "h100x2-2026-11-26"),
+    ("h100-80gb", 2, 1, 256, 22951.1, "h100x2-2026-11-26"),
+]
 
 
 def main() -> None:
@@ -59,25 +68,24 @@ def main() -> None:
                 f"  {gpus} GPUs: {gpus} x TP 1 predicted {replicas:,.0f} vs 1 x TP {gpus} {one:,.0f}; "
                 f"seed (linear) {seed_replicas:,.0f} vs {SEED_7B_A100[gpus]:,.1f}"
             )
-    for prompt, out in ((128, 256),):
-        shape8 = load_shape("llama-3.1-8b")
-        for c in (1, 32, 256):
-            work = Workload(c, prompt, out)
-            for replicas, tp in ((2, 1), (1, 2)):
-                e = estimate(shape8, "h200-141gb", replicas, tp, work)
-                rows.append(
-                    {
-                        "peer": f"roofline-8b-h200-{replicas}x{tp}",
-                        "concurrency": c,
-                        "out_tok_s": round(e.tokens_per_s, 1),
-                        "ttft_p50_ms": None,
-                        "ttft_p99_ms": None,
-                    }
-                )
-                print(
-                    f"8B on 2 x H200, {c} streams: {replicas} x TP {tp} predicted {e.tokens_per_s:,.0f} tok/s "
-                    "(measured: none yet)"
-                )
+    # Summit's 8B (dummy weights, ~130-token prompts, 256 out) on two GPUs: the one point the all-reduce latency was
+    # taken from is marked (fit); every other figure is a check
+    shape8 = load_shape("llama-3.1-8b")
+    worst = 0.0
+    for gpu, replicas, tp, c, value, source in MEASURED_8B_2GPU:
+        e = estimate(shape8, gpu, replicas, tp, Workload(c, 130, 256))
+        ratio = value / e.tokens_per_s
+        if source != "fit":
+            worst = max(worst, abs(1 - ratio))
+        print(
+            f"8B on 2 x {gpu}, {c:>3} streams, {replicas} x TP {tp}: predicted {e.tokens_per_s:7,.0f} tok/s, "
+            f"measured {value:7,.1f} ({source}), measured/predicted {ratio:.2f}"
+        )
+        rows += [
+            {"peer": f"roofline-8b-{gpu}-{replicas}x{tp}", "concurrency": c, "out_tok_s": round(e.tokens_per_s, 1)},
+            {"peer": f"summit-8b-{gpu}-{replicas}x{tp}", "concurrency": c, "out_tok_s": value, "source": source},
+        ]
+    print(f"largest miss among the checks: {worst:.0%}")
     for rows_for_seed in SEED_7B_A100.items():
         tp, value = rows_for_seed
         rows.append(

@@ -14,8 +14,9 @@ Replicas of a small TP run their host work side by side and keep KV per GPU; a l
 and adds all-reduces. So TP wins where a step is weight-bound (few streams), replicas where the batch is large.
 
 The coefficients are fixed from one-GPU measurements on this project's GPU host before any layout is compared
-(`bench/results/h100-features-2026-11-24.md`, FACTS.md's H200 runs), never fitted to the TP comparisons they are
-checked against (`bench/results/throughput-plan-2026-11-24.md`).
+(`bench/results/h100-features-2026-11-24.md`, FACTS.md's H200 runs), except ALLREDUCE_LATENCY, taken from one
+two-GPU figure (TP 2 at one stream); the other two-GPU figures check it (`bench/throughput_check.py`,
+`bench/results/h100x2-2026-11-26.md`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ BW_EFFICIENCY = (
     0.8  # an 8B at one stream reads its weights at 73 % (H100) / 72 % (H200) of the datasheet, with host time
 )
 FLOP_EFFICIENCY = 0.5  # what large GEMMs reach in vLLM's steps on Hopper
-ALLREDUCE_LATENCY = 25e-6  # one small NCCL all-reduce over NVLink
+# one small all-reduce over NVLink (vLLM's custom all-reduce, CUDA graphs), per-rank coordination included: what an 8B
+# at TP 2, one stream, left beyond its weight reads and host time on 2 x H200 (286 tok/s, vLLM's mp executor)
+ALLREDUCE_LATENCY = 6e-6
 STEP_OVERHEAD = 1.0e-3  # H100/H200, 8B, one stream: ~1 ms per step beyond the weight reads
 SEQ_OVERHEAD = (
     10e-6  # per sequence in a step; with the above, 8B at 256 streams on an H100: 15.9k predicted, 16.6k measured

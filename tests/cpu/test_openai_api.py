@@ -146,12 +146,41 @@ def _ids(client, prompt: str, n: int = 32, **params) -> list[int]:
     return r.choices[0].token_ids
 
 
+def _greedy_with_ties(client, prompt: str, n: int = 32) -> tuple[list[int], list[set[int]]]:
+    """The greedy output, and at each step the tokens as likely as the one taken (more than one where the logits tie:
+    random weights in bf16 on a GPU tie often, and which of them a sampler keeps is its own choice)."""
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        logprobs=5,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True},
+    )
+    best = []
+    for top in r.choices[0].logprobs.top_logprobs:
+        most = max(top.values())
+        best.append({int(token.removeprefix("token_id:")) for token, lp in top.items() if lp == most})
+    return r.choices[0].token_ids, best
+
+
+def _only_most_likely(sampled: list[int], greedy: list[int], best: list[set[int]]) -> bool:
+    """`sampled` took a most likely token at each step: the greedy output, or the same up to a step where it took
+    another of the tokens tied for most likely there (after which the two continue from different texts)."""
+    for i, (token, greedy_token) in enumerate(zip(sampled, greedy, strict=True)):
+        if token != greedy_token:
+            return token in best[i]
+    return True
+
+
 def test_top_k_and_min_p_narrow_the_sampling(client):
-    """At temperature 1, top_k=1 and min_p=1 keep only the most likely token: the greedy output; without them the
-    same seeds sample other tokens."""
-    greedy = _ids(client, "Summit", temperature=0)
-    assert _ids(client, "Summit", temperature=1.0, seed=7, extra_body={"top_k": 1}) == greedy
-    assert _ids(client, "Summit", temperature=1.0, seed=7, extra_body={"min_p": 1.0}) == greedy
+    """At temperature 1, top_k=1 and min_p=1 keep only the most likely token: the greedy output (up to a tie for the
+    most likely token); without them the same seeds sample other tokens."""
+    greedy, best = _greedy_with_ties(client, "Summit")
+    top_k_1 = _ids(client, "Summit", temperature=1.0, seed=7, extra_body={"top_k": 1})
+    min_p_1 = _ids(client, "Summit", temperature=1.0, seed=7, extra_body={"min_p": 1.0})
+    assert _only_most_likely(top_k_1, greedy, best), (top_k_1, greedy, best)
+    assert _only_most_likely(min_p_1, greedy, best), (min_p_1, greedy, best)
     assert _ids(client, "Summit", temperature=1.0, seed=7) != greedy
     assert _ids(client, "Summit", temperature=1.0, seed=7, top_p=0.9, extra_body={"top_k": 20, "min_p": 0.05}) != greedy
 
