@@ -123,7 +123,7 @@ class RequestWatch:
                 self.metrics.pd_phase(phase, seconds)
         logger.info(
             "PD request %s (%s): prefill %.1f ms, first_token %.1f ms, stream %.1f ms",
-            self._request_id,
+            self._request_id or "-",
             self._model,
             *(s * 1e3 for s in phases.values()),
         )
