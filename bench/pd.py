@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from bench.serve_overhead import (
     wait_http,
 )
 from deployments.engine import connector_engine_kwargs, kv_transfer_config  # noqa: E402
+from deployments.observability.watch import PD_PHASES, pd_phase_lines  # noqa: E402
 from tests.local_cluster import LOOPBACK, free_port, loopback_env  # noqa: E402
 
 
@@ -83,10 +83,6 @@ def summit_config(ns: argparse.Namespace, model: dict) -> dict:
     }
 
 
-_PHASE_LINE = re.compile(r"PD request (\S+) \(\S+\): prefill ([\d.]+) ms, first_token ([\d.]+) ms, stream ([\d.]+) ms")
-_PHASES = ("prefill", "first_token", "stream")
-
-
 class DecodePhases:
     """After each load, the phases the decode replica logged for its requests (one line per disaggregated request,
     deployments/observability/watch.py): p50/p99 of each, added to the load's row."""
@@ -96,22 +92,21 @@ class DecodePhases:
 
     def __call__(self, cluster, result: LoadResult) -> None:
         lines = []
-        for f in (cluster.temp_dir / "session_latest" / "logs" / "serve").glob("replica_*.log"):
-            for m in _PHASE_LINE.finditer(f.read_text(errors="replace")):
-                if m[1] not in self.seen:
-                    self.seen.add(m[1])
-                    lines.append(m.groups()[1:])
+        for request_id, phases in pd_phase_lines(cluster.temp_dir / "session_latest" / "logs" / "serve"):
+            if request_id not in self.seen:
+                self.seen.add(request_id)
+                lines.append(phases)
         new: dict[str, list[float]] = {}
-        for values in lines[-result.requests :]:  # the load's own requests (the warm-up's came first)
-            for phase, ms in zip(_PHASES, values):
-                new.setdefault(phase, []).append(float(ms))
+        for phases in lines[-result.requests :]:  # the load's own requests (the warm-up's came first)
+            for phase, ms in phases.items():
+                new.setdefault(phase, []).append(ms)
         result.extra["pd_requests_logged"] = len(new.get("prefill", []))
         for phase, values in new.items():
             result.extra[f"{phase}_p50_ms"] = round(percentile(values, 50), 1)
             result.extra[f"{phase}_p99_ms"] = round(percentile(values, 99), 1)
         print(
             f"  c={result.concurrency} decode replica's phases (p50/p99 ms): "
-            + ", ".join(f"{p} {result.extra.get(p + '_p50_ms')}/{result.extra.get(p + '_p99_ms')}" for p in _PHASES),
+            + ", ".join(f"{p} {result.extra.get(p + '_p50_ms')}/{result.extra.get(p + '_p99_ms')}" for p in PD_PHASES),
             flush=True,
         )
 

@@ -4,7 +4,9 @@ the front at each step (deployments/observability/metrics.py, deployments/observ
 from __future__ import annotations
 
 import logging
+import re
 import time
+from pathlib import Path
 
 from deployments.http.protocol import ARRIVAL_HEADER, REQUEST_ID_HEADER
 from deployments.http.protocol import header as _header
@@ -12,6 +14,10 @@ from deployments.observability.metrics import ReplicaMetrics
 from deployments.observability.tracing import DECISION_HEADER, RequestTrace, Tracing, parse_decision
 
 logger = logging.getLogger("ray.serve")
+
+PD_PHASES = ("prefill", "first_token", "stream")
+_PD_LINE = "PD request %s (%s): prefill %.1f ms, first_token %.1f ms, stream %.1f ms"
+_PD_LINE_RE = re.compile(r"PD request (\S+) \(\S+\): prefill ([\d.]+) ms, first_token ([\d.]+) ms, stream ([\d.]+) ms")
 
 _MAX_EARLIER_S = 600.0  # a clock between nodes that is off by more than this is not believed
 
@@ -113,17 +119,25 @@ class RequestWatch:
         """A disaggregated request's phases: a metric each, and one log line (bench/pd.py reads them)."""
         end_ns = time.time_ns()
         first_ns = self._first_ns or end_ns  # not streamed: the whole answer came at once
-        phases = {
-            "prefill": self._prefill_ns / 1e9,
-            "first_token": (first_ns - self._engine_ns) / 1e9,
-            "stream": (end_ns - first_ns) / 1e9,
-        }
+        phases = dict(
+            zip(PD_PHASES, (self._prefill_ns / 1e9, (first_ns - self._engine_ns) / 1e9, (end_ns - first_ns) / 1e9))
+        )
         if self.metrics is not None:
             for phase, seconds in phases.items():
                 self.metrics.pd_phase(phase, seconds)
         logger.info(
-            "PD request %s (%s): prefill %.1f ms, first_token %.1f ms, stream %.1f ms",
+            _PD_LINE,
             self._request_id or "-",
             self._model,
             *(s * 1e3 for s in phases.values()),
         )
+
+
+def pd_phase_lines(serve_logs: Path) -> list[tuple[str, dict[str, float]]]:
+    """The PD phase lines the replicas' logs under `serve_logs` hold (a Ray session's `logs/serve`), in each file's
+    order: (request id, {phase: ms})."""
+    return [
+        (m[1], dict(zip(PD_PHASES, map(float, m.groups()[1:]))))
+        for f in sorted(serve_logs.glob("replica_*.log"))
+        for m in _PD_LINE_RE.finditer(f.read_text(errors="replace"))
+    ]

@@ -10,13 +10,13 @@ tokens): shorter ones transfer nothing.
 
 from __future__ import annotations
 
-import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from deployments.observability.watch import PD_PHASES, pd_phase_lines
 from tests.cpu import engine_apps
 from tests.cpu.engine_apps import APP, deployed, tiny_model, wait_for
 from tests.engine_checks import engine_core_processes, paused
@@ -79,7 +79,6 @@ def complete(http: httpx.Client, model: str, prompt: str, headers=None, **extra)
 
 
 _SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-_PD_PHASES = ("prefill", "first_token", "stream")
 
 
 def decode_counters(cluster) -> dict:
@@ -101,7 +100,7 @@ def decode_counters(cluster) -> dict:
             # the decode replica's own count of disaggregated requests, per phase (summit_pd_phase_seconds)
             **{
                 f"pd_{phase}": total(s, "ray_summit_pd_phase_seconds_count", model=PD, phase=phase)
-                for phase in _PD_PHASES
+                for phase in PD_PHASES
             },
         }
 
@@ -138,23 +137,11 @@ def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_d
     assert computed == n - whole_blocks, (computed, after)  # only the tail past the last whole block is computed
     assert any(kv_dir.iterdir()), "the prefill engine stored no KV"
     # the decode replica measured the request's phases: one more of each in its metric, and its log line
-    assert all(after[f"pd_{p}"] - before[f"pd_{p}"] == 1 for p in _PD_PHASES), (before, after)
-    lines = pd_phase_lines(pd_app)
+    assert all(after[f"pd_{p}"] - before[f"pd_{p}"] == 1 for p in PD_PHASES), (before, after)
+    lines = dict(pd_phase_lines(pd_app.temp_dir / "session_latest" / "logs" / "serve"))
     assert ids[AGG] not in lines, lines  # an aggregated request has no such phases
     phases = lines[ids[PD]]
     assert phases["prefill"] > 0 and phases["first_token"] > 0 and phases["stream"] >= 0, phases
-
-
-_PHASE_LINE = re.compile(r"PD request (\S+) \(\S+\): prefill ([\d.]+) ms, first_token ([\d.]+) ms, stream ([\d.]+) ms")
-
-
-def pd_phase_lines(cluster) -> dict[str, dict[str, float]]:
-    """{request id: its phases in ms} from the replicas' logs (the decode replica writes one line per request)."""
-    out = {}
-    for f in (cluster.temp_dir / "session_latest" / "logs" / "serve").glob("replica_*.log"):
-        for m in _PHASE_LINE.finditer(f.read_text(errors="replace")):
-            out[m[1]] = dict(zip(_PD_PHASES, map(float, m.groups()[1:])))
-    return out
 
 
 def test_streams_chat_n_and_stop_behave_as_aggregated(http):
