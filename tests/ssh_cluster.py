@@ -149,7 +149,20 @@ SetEnv RAY_TMPDIR={self.tmpdir(node)}
                 continue
         return found
 
-    def stop(self) -> None:
+    def stop(self, keep_logs: Path | None = None) -> None:
+        """Stop the hosts; with `keep_logs`, first copy there what the cluster wrote (sshd logs, its Ray logs)."""
+        if keep_logs is not None:
+            sessions = [p for p in self.root.glob("tmp-*/ray/session_*/logs") if not p.parent.is_symlink()]
+            for log in [*self.root.glob("sshd-*.log"), *sessions]:
+                to = keep_logs / log.relative_to(self.root)
+                try:
+                    if log.is_dir():
+                        shutil.copytree(log, to, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+                    else:
+                        to.parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy(log, to)
+                except OSError:
+                    continue
         for proc in self.procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)

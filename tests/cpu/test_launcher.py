@@ -54,12 +54,12 @@ def launcher_config(cluster: SshCluster, dist: Path, configs: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hosts():
+def hosts(tmp_path_factory):
     cluster = SshCluster()
     try:
         yield cluster.start()
     finally:
-        cluster.stop()
+        cluster.stop(keep_logs=tmp_path_factory.mktemp("launcher-logs"))  # a failure's evidence outlives the hosts
 
 
 def test_ray_up_brings_up_head_and_worker_and_summit_serves_then_ray_down_stops_it(hosts, tiny_model_dir, tmp_path):
@@ -117,7 +117,7 @@ def test_ray_up_brings_up_head_and_worker_and_summit_serves_then_ray_down_stops_
         except (ValueError, KeyError, TypeError):
             return []
 
-    deadline = time.monotonic() + 300  # the head's autoscaler sets up the worker over SSH
+    deadline = time.monotonic() + 600  # the head's autoscaler sets up the worker over SSH (5 tries of ray start)
     while time.monotonic() < deadline and alive_nodes() != [n.ip for n in hosts.nodes]:
         time.sleep(5)
     assert alive_nodes() == [n.ip for n in hosts.nodes], (alive_nodes(), _monitor_log(hosts))
@@ -150,5 +150,12 @@ def test_ray_up_brings_up_head_and_worker_and_summit_serves_then_ray_down_stops_
 
 
 def _monitor_log(hosts: SshCluster) -> str:
-    logs = sorted(hosts.tmpdir(hosts.head).glob("ray/session_latest/logs/monitor.*"))
-    return "\n".join(p.read_text(errors="replace")[-2000:] for p in logs)
+    """What the head's autoscaler said about the worker: the commands its updater ran and how they ended (the whole
+    logs are kept beside the test's tmp dir: the `hosts` fixture)."""
+    worker = hosts.nodes[1].ip
+    said = []
+    for log in sorted(hosts.tmpdir(hosts.head).glob("ray/session_latest/logs/monitor.*")):
+        for line in log.read_text(errors="replace").splitlines():
+            if worker in line or "Running `" in line or "ERR" in line or "failed" in line.lower():
+                said.append(line[:400])
+    return "\n".join(said[-40:])
