@@ -11,6 +11,7 @@ import time
 import psutil
 
 from deployments.engine import NO_NVLINK_MULTICAST_ENV
+from deployments.engine.platform import FORKING_CORE_ENV
 from tests.local_cluster import LocalCluster
 
 RAY_WORKERS = {"RayWorkerProc", "RayWorkerWrapper"}  # vLLM's Ray worker actor: 0.32 (RayExecutorV2) / 0.26
@@ -33,6 +34,21 @@ def _descendants_titled(pid: int, title: str) -> list[psutil.Process]:
 def mp_workers(replica: dict) -> list[psutil.Process]:
     """vLLM's `mp` executor workers of a replica: processes under its engine core titled `VLLM::Worker...`."""
     return _descendants_titled(replica["pid"], "::Worker")
+
+
+def assert_workers_forked_by_the_core(replica_pid: int) -> list[psutil.Process]:
+    """Each `mp` worker of the replica's engine was forked by its engine core (deployments/engine/platform.py), not
+    spawned: a forked process keeps its parent's initial environment block (/proc/PID/environ) byte for byte, without
+    the marker the core set in its environment as it chose to fork, which a spawned worker would carry."""
+    (core,) = engine_core_processes(replica_pid)
+    workers = [w for w in core.children() if "::Worker" in w.name() or "::Worker" in " ".join(w.cmdline())]
+    assert workers, [w.cmdline() for w in core.children()]
+    initial = open(f"/proc/{core.pid}/environ", "rb").read()
+    for worker in workers:
+        env = open(f"/proc/{worker.pid}/environ", "rb").read()
+        assert f"{FORKING_CORE_ENV}=".encode() not in env, "a worker spawned by a core that meant to fork"
+        assert env == initial, sorted(set(env.split(b"\0")) ^ set(initial.split(b"\0")))[:6]
+    return workers
 
 
 def engine_processes(cluster: LocalCluster, replica: dict) -> list[psutil.Process]:

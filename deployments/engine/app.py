@@ -32,6 +32,7 @@ async def start_engine_app(args: Namespace, metrics: bool = True) -> EngineApp:
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     _use_replica_placement_group(vllm_config)
     _own_kv_side_channel(vllm_config)
+    _fork_workers_in_the_core(vllm_config)
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
@@ -75,6 +76,15 @@ def _own_kv_side_channel(vllm_config, env: dict | None = None) -> None:
         with socket.socket() as sock:
             sock.bind((host, 0))
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(sock.getsockname()[1])
+
+
+def _fork_workers_in_the_core(vllm_config) -> None:
+    """Ask the engine core to fork its `mp` workers (deployments/engine/platform.py: engine_core_forks_workers)
+    instead of spawning them, unless the YAML's runtime_env sets SUMMIT_ENGINE_CORE_FORKS_WORKERS to 0."""
+    from deployments.engine.platform import FORK_WORKERS_ENV
+
+    if vllm_config.parallel_config.distributed_executor_backend == "mp" and os.environ.get(FORK_WORKERS_ENV) != "0":
+        os.environ[FORK_WORKERS_ENV] = "1"
 
 
 def _use_replica_placement_group(vllm_config) -> None:

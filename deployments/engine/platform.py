@@ -1,4 +1,15 @@
-"""vLLM's CPU platform with Ray's executor: a vLLM platform plugin, for test clusters only.
+"""Summit's vLLM plugins: the engine core forks its workers (every engine), and vLLM's CPU platform with Ray's
+executor (test clusters only).
+
+`engine_core_forks_workers` (the `vllm.general_plugins` entry point, pyproject.toml): a Summit replica is a Ray actor,
+so vLLM must spawn its engine core from it, and writes `VLLM_WORKER_MULTIPROC_METHOD=spawn` into the environment the
+core inherits; the core would then spawn its `mp` workers too, each a fresh interpreter that imports torch and vLLM
+again (about 10 s of CPU per engine start, measured on 2 cores: 30-35 s -> 21-22 s for the tiny model). The core is no
+Ray actor, and vLLM's own server forks the workers from its core; where the replica asks for it
+(`FORK_WORKERS_ENV`, set by deployments/engine/app.py for the `mp` executor unless the YAML's runtime_env sets it to
+0), the core does the same. vLLM still spawns where it must (CUDA initialized in the core, for example).
+
+`cpu_ray_platform`:
 
 vLLM's CpuPlatform has no Ray device key, so its Ray executor refuses to start ("current platform cpu does not
 support ray") and a CPU engine can only run the `mp` executor, inside one node. vLLM's supported extension point
@@ -17,6 +28,21 @@ import functools
 import os
 
 CPU_RAY_PLATFORM_ENV = "SUMMIT_VLLM_CPU_RAY"
+FORK_WORKERS_ENV = "SUMMIT_ENGINE_CORE_FORKS_WORKERS"
+# set in the engine core's environment once it chose to fork: a worker spawned anyway would carry it in its initial
+# environment (/proc/PID/environ), a forked one cannot (tests/engine_checks.py: forked_from_core)
+FORKING_CORE_ENV = "SUMMIT_FORKING_ENGINE_CORE"
+
+
+def engine_core_forks_workers() -> None:
+    """Entry point of the `vllm.general_plugins` group: vLLM calls it once in each of its processes (the replica, the
+    engine core, a spawned worker). Acts only in an engine core whose replica asked for it."""
+    import multiprocessing
+
+    if os.environ.get(FORK_WORKERS_ENV) != "1" or not multiprocessing.current_process().name.startswith("EngineCore"):
+        return
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    os.environ[FORKING_CORE_ENV] = str(os.getpid())
 
 
 def cpu_ray_platform() -> str | None:

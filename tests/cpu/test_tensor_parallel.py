@@ -18,6 +18,7 @@ import pytest
 from tests.cpu.engine_apps import REPO
 from tests.engine_checks import (
     assert_multicast_off,
+    assert_workers_forked_by_the_core,
     engine_core_processes,
     engine_processes,
     mp_workers,
@@ -95,6 +96,8 @@ def test_a_tp2_replica_answers_from_two_mp_workers_on_its_own_gpus(tp2_app):
     assert {w.environ().get("CUDA_VISIBLE_DEVICES") for w in workers} == {visible}  # ... exactly what the workers see
     # the YAML's runtime_env.env_vars reached them too (Serve alone drops them for a deployment with its own env)
     assert {w.environ().get("VLLM_CPU_OMP_THREADS_BIND") for w in workers} == {"nobind"}
+    # both ranks forked by the core (deployments/engine/platform.py), as vLLM's own server starts them
+    assert {w.pid for w in assert_workers_forked_by_the_core(replica["pid"])} == {w.pid for w in workers}
 
 
 def test_every_engine_process_runs_with_nvlink_multicast_off(tp2_app):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from tests.cpu.conftest import MODEL
 from tests.cpu.engine_apps import wait_for
-from tests.engine_checks import kill_engine_and_wait_for_answers
+from tests.engine_checks import assert_workers_forked_by_the_core, kill_engine_and_wait_for_answers
 
 
 def test_killed_engine_is_replaced(summit, engine_stats):
     before = engine_stats()
+    assert_workers_forked_by_the_core(before["pid"])  # the engine started without a second interpreter start
     kill_engine_and_wait_for_answers(summit.base_url, MODEL, before["pid"], before["replica_id"])
     after: dict = {}
 

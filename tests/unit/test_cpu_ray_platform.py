@@ -3,6 +3,7 @@ tests/cpu/test_multinode.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -32,6 +33,33 @@ def test_vllm_picks_the_plugin_only_when_switched_on():
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return {k: v for k, v in os.environ.items() if k != vllm_adapter.CPU_RAY_PLATFORM_ENV}
+
+
+def test_the_engine_core_forks_its_workers_only_where_the_replica_asked(monkeypatch):
+    """vLLM's general plugin, called in each of its processes: only an engine core whose replica set
+    FORK_WORKERS_ENV switches vLLM's start method for its workers to fork (and marks its environment)."""
+    import multiprocessing
+
+    from deployments.engine import platform
+
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "summit_engine_core_forks_workers"]
+    assert plugin.load() is platform.engine_core_forks_workers
+    process = multiprocessing.current_process()
+    for name, asked, forks in [
+        ("EngineCore", "1", True),
+        ("EngineCore_DP0", "1", True),
+        ("EngineCore", None, False),  # a vLLM engine outside Summit's replicas
+        ("VllmWorker-0", "1", False),  # a worker (spawned where vLLM had to): nothing to start
+        ("MainProcess", "1", False),  # the replica itself: vLLM must spawn the core from a Ray actor
+    ]:
+        monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        monkeypatch.delenv(platform.FORKING_CORE_ENV, raising=False)
+        if asked is None:
+            monkeypatch.delenv(platform.FORK_WORKERS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(platform.FORK_WORKERS_ENV, asked)
+        monkeypatch.setattr(process, "name", name)
+        platform.engine_core_forks_workers()
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == ("fork" if forks else "spawn"), name
+        assert (os.environ.get(platform.FORKING_CORE_ENV) == str(os.getpid())) is forks, name
