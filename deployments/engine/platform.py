@@ -30,7 +30,7 @@ import os
 CPU_RAY_PLATFORM_ENV = "SUMMIT_VLLM_CPU_RAY"
 FORK_WORKERS_ENV = "SUMMIT_ENGINE_CORE_FORKS_WORKERS"
 # set in the engine core's environment once it chose to fork: a worker spawned anyway would carry it in its initial
-# environment (/proc/PID/environ), a forked one cannot (tests/engine_checks.py: forked_from_core)
+# environment (/proc/PID/environ), a forked one cannot (tests/engine_checks.py: assert_workers_forked_by_the_core)
 FORKING_CORE_ENV = "SUMMIT_FORKING_ENGINE_CORE"
 
 
