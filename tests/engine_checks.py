@@ -41,7 +41,7 @@ def assert_workers_forked_by_the_core(replica_pid: int) -> list[psutil.Process]:
     spawned: a forked process keeps its parent's initial environment block (/proc/PID/environ) byte for byte, without
     the marker the core set in its environment as it chose to fork, which a spawned worker would carry."""
     (core,) = engine_core_processes(replica_pid)
-    workers = [w for w in core.children() if "::Worker" in w.name() or "::Worker" in " ".join(w.cmdline())]
+    workers = _descendants_titled(core.pid, "::Worker")
     assert workers, [w.cmdline() for w in core.children()]
     initial = open(f"/proc/{core.pid}/environ", "rb").read()
     for worker in workers:

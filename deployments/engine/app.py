@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from deployments.engine.args import openai_entrypoints
+from deployments.engine.platform import FORK_WORKERS_ENV
 
 
 @dataclass
@@ -81,8 +82,6 @@ def _own_kv_side_channel(vllm_config, env: dict | None = None) -> None:
 def _fork_workers_in_the_core(vllm_config) -> None:
     """Ask the engine core to fork its `mp` workers (deployments/engine/platform.py: engine_core_forks_workers)
     instead of spawning them, unless the YAML's runtime_env sets SUMMIT_ENGINE_CORE_FORKS_WORKERS to 0."""
-    from deployments.engine.platform import FORK_WORKERS_ENV
-
     if vllm_config.parallel_config.distributed_executor_backend == "mp" and os.environ.get(FORK_WORKERS_ENV) != "0":
         os.environ[FORK_WORKERS_ENV] = "1"
 
