@@ -34,19 +34,20 @@ SESSION_APP_MODULES = {
 _LAST_SESSION_TEST = pytest.StashKey[bool]()
 
 # The modules that take longest (scripts/suite_times.py on a fresh-clone run) start first, so that the test command's
-# two workers (pytest-xdist) finish together; the order changes nothing else.
+# workers (pytest-xdist) finish together; the order changes nothing else.
 SLOWEST_FIRST = [
-    "test_faults",
     "test_slurm",
-    "test_direct_path",
-    "test_disaggregation",
+    "test_faults",
     "test_routing_engine",
-    "test_scaling",
-    "test_launcher",
+    "test_disaggregation",
     "test_batch_offline",
-    "test_engine_features",
+    "test_direct_path",
     "test_multinode",
+    "test_launcher",
+    "test_scaling",
+    "test_engine_features",
     "test_monitoring",
+    "test_serve_command",
 ]
 
 
@@ -88,7 +89,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """The test command's two workers (scripts/test.sh: pytest-xdist) take whole modules, in collection order, and
+    """The test command's workers (scripts/test.sh: pytest-xdist) take whole modules, in collection order, and
     the session app's modules as one unit, so that each module's app, and the session app, start once."""
     from xdist.scheduler import LoadScopeScheduling
 

@@ -46,7 +46,7 @@ def call_each_replica(
     handle = _HANDLES.get(key) or _HANDLES.setdefault(key, serve.get_deployment_handle(deployment, app_name=app_name))
     answers: dict[str, Any] = {}
     for _ in range(attempts):
-        result = getattr(handle, method).remote(*args).result(timeout_s=60)
+        result = getattr(handle, method).remote(*args).result(timeout_s=120)  # a new router on a loaded box
         answers[result["replica_id"]] = result
         if len(answers) >= replicas:
             return answers

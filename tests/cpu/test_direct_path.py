@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.cpu.engine_apps import APP, app_config, deployed, deployment_details, tiny_model, wait_for
-from tests.engine_checks import kill_engine_and_wait_for_answers
+from tests.engine_checks import Throttle, kill_engine_and_wait_for_answers, model_engine_cores
 from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
 
@@ -113,17 +113,20 @@ def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
 
     assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 60)
     before = generated()
-    with httpx.stream(
-        "POST",
-        two_models.base_url + "/v1/completions",
-        timeout=60,
-        json={"model": "tiny-b", "prompt": "a", "max_tokens": MAX_LEN - 100, "ignore_eos": True, "stream": True},
-    ) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()  # kept referenced: a dropped iterator closes the response (the client leaves early)
-        for _ in range(3):
-            next(lines)
-    assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 60)
+    # the engines crawl (paused but 2 ms of every 250) from before the stream starts until the replica has seen the
+    # client leave: on a loaded box the tiny model made all its tokens while the client read its first three lines
+    with Throttle(model_engine_cores(two_models, "+".join(MODELS))):
+        with httpx.stream(
+            "POST",
+            two_models.base_url + "/v1/completions",
+            timeout=60,
+            json={"model": "tiny-b", "prompt": "a", "max_tokens": MAX_LEN - 100, "ignore_eos": True, "stream": True},
+        ) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept referenced: a dropped iterator closes the response (the client leaves)
+            for _ in range(3):
+                next(lines)
+        assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 120)
     made = generated() - before
     # aborted: the engine stopped long before the tokens it would have made for a client that stayed
     assert 1 <= made < 0.5 * (MAX_LEN - 100), f"the engines made {made} tokens for a stream left after 3 lines"
