@@ -242,9 +242,11 @@ def test_application_restarted_mid_batch_finishes_exactly_once(client, summit):
         input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
     )
     before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
-    with paused(cores):  # resumed after: a core whose replica left then exits
-        summit.serve_shutdown()
-    summit.serve_deploy(config)  # before any assertion: the session's later modules need the app
+    try:
+        with paused(cores):  # resumed after: a core whose replica left then exits
+            summit.serve_shutdown()
+    finally:
+        summit.serve_deploy(config)  # before any assertion: the session's later modules need the app
     assert before.completed + before.failed < 0.8 * len(lines), "the fault came too late to mean anything"
     # HAProxy names the new replica (and has reloaded) before the client asks through it again
     assert wait_for(lambda: haproxy_servers(summit) - servers, 120, 0.5), (servers, haproxy_servers(summit))

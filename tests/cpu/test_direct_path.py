@@ -5,7 +5,8 @@ One base URL serves both: each answer comes from a replica of the model the body
 HAProxy and the engine replicas (no OpenAIIngress; HAProxy's config pins requests to the engine replicas' ports);
 a body longer than HAProxy's routing buffer (its model cut off) is still answered by its model; a client that
 leaves a stream aborts the engine request; the app redeployed from a YAML whose models differ in shape falls back to
-the two-hop path, where a dead engine is answered 503 + Retry-After and replaced.
+the two-hop path, where a dead engine is answered 503 + Retry-After and replaced, and a disaggregated model with
+`fallback: error` answers 503 while its prefill engine is dead.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import openai
 import pytest
 
 from tests.cpu.engine_apps import APP, app_config, deployed, deployment_details, tiny_model, wait_for
-from tests.engine_checks import Throttle, kill_engine_and_wait_for_answers, model_engine_cores
+from tests.engine_checks import Throttle, engine_core_processes, kill_engine_and_wait_for_answers, model_engine_cores
 from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
 
@@ -132,13 +133,27 @@ def test_client_leaving_a_stream_aborts_the_engine_request(two_models):
     assert 1 <= made < 0.5 * (MAX_LEN - 100), f"the engines made {made} tokens for a stream left after 3 lines"
 
 
-def test_models_of_different_shapes_fall_back_to_two_hops(two_models):
+def test_models_of_different_shapes_fall_back_to_two_hops(two_models, tmp_path):
     """The module's cluster, its app redeployed (last: the direct-path tests are done) with models of two shapes and
-    the Batch API: the app moves to the two-hop path, as a user's `serve deploy` of the changed YAML moves it."""
+    the Batch API: the app moves to the two-hop path, as a user's `serve deploy` of the changed YAML moves it.
+    `tiny-c` is disaggregated with `fallback: error`: with its prefill engine dead it answers 503 + Retry-After (the
+    decode engine does not compute the prompt itself)."""
     cluster = two_models
-    models = [tiny_model("tiny-a"), tiny_model("tiny-c", deployment={"num_cpus": 0.25})]
+    pd = {
+        "connector": "shared_storage",
+        "connector_config": {"shared_storage_path": str(tmp_path)},
+        "fallback": "error",
+    }
+    models = [tiny_model("tiny-a"), tiny_model("tiny-c", deployment={"num_cpus": 0.25}, disaggregation=pd)]
     cluster.serve_deploy(app_config(models, batch=True))
-    expected = {"OpenAIIngress", "LLMServer:tiny-a", "LLMServer:tiny-c", "BatchAPI", "BatchRunner"}
+    expected = {
+        "OpenAIIngress",
+        "LLMServer:tiny-a",
+        "LLMServer:tiny-c",
+        "LLMServer:tiny-c:prefill",
+        "BatchAPI",
+        "BatchRunner",
+    }
 
     def two_hop_deployments() -> set[str]:  # the direct path's deployments leave once Serve has deleted them
         return set(cluster.dashboard_get("/api/serve/applications/")["applications"][APP]["deployments"])
@@ -171,7 +186,25 @@ def test_models_of_different_shapes_fall_back_to_two_hops(two_models):
             cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}, timeout=60
         )
         assert r.status_code == 200 and r.json()["model"] == name
+    # fallback: error, its prefill engine dead: a 503 + Retry-After naming the prefill pool; the other model answers
+    ((prefill,),) = [
+        probe(cluster.address, "each", APP, "LLMServer:tiny-c:prefill", "stats", "--replicas", "1").values()
+    ]
+    cores = engine_core_processes(prefill["pid"])
+    assert cores, "the prefill replica should own a vLLM EngineCore process"
+    for proc in cores:
+        proc.kill()
+    r = httpx.post(
+        cluster.base_url + "/v1/completions", json={"model": "tiny-c", "prompt": "x", "max_tokens": 2}, timeout=60
+    )
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    assert r.json()["error"]["type"] == "ServiceUnavailableError" and "prefill pool" in r.json()["error"]["message"]
+    a = httpx.post(
+        cluster.base_url + "/v1/completions", json={"model": "tiny-a", "prompt": "x", "max_tokens": 2}, timeout=60
+    )
+    assert a.status_code == 200, a.text
     # a dead engine on this path too: clean 503s from the replica's front through the ingress, then a new replica
+    # (and a new prefill replica: until both are up every answer is that 503)
     before = probe(cluster.address, "each", APP, "LLMServer:tiny-c", "stats", "--replicas", "1")
     ((replica_id, stats),) = before.items()
     kill_engine_and_wait_for_answers(cluster.base_url, "tiny-c", stats["pid"], replica_id)

@@ -12,6 +12,7 @@ The replica that answered is the `x-summit-replica` header. Engine counters are 
 
 from __future__ import annotations
 
+import random
 import threading
 
 import httpx
@@ -49,7 +50,22 @@ def summit2(tiny_model_dir, tmp_path_factory):
     ]
     with deployed(models, tiny_model_dir, haproxy=True) as cluster:
         assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 4, 300)
+        assert wait_for(lambda: router_knows_every_replica(cluster), 300, 2), "the router never used both replicas"
         yield cluster
+
+
+def router_knows_every_replica(cluster) -> bool:
+    """Readiness: the router places new keys of each model on both of its replicas. Until a replica's model has
+    reached the router (`record_routing_stats`, every second; later on a loaded box) it gets none of that model's
+    requests, and a CI run with the box at 100 % sent every prefix and every session to one replica. Keys of their
+    own (`ready-*`): the tests' keys are new to the router."""
+    seen: dict[str, set[str]] = {PREFIX: set(), SESSION: set()}
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as http:
+        for i in range(6):
+            key = f"ready-{i}-{random.random()}"
+            seen[PREFIX].add(replica_of(complete(http, PREFIX, f"{key} " + document(i, title="Ready"))))
+            seen[SESSION].add(session_home(http, key))
+    return all(len(replicas) == 2 for replicas in seen.values())
 
 
 @pytest.fixture(scope="module")
