@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # README command 2: set up, check the house (lint, format, import layers), then run every test (unit, then the
 # real-engine CPU suite; GPU tests skip without CUDA). Three pytest workers (SUMMIT_TEST_WORKERS; 0 = one process) on
-# 2 cores: the suite waits on engines, clusters and daemons as much as it computes (2 workers: ~46 min from a fresh
-# clone, 3: ~29). Each module, and the session app's modules together, run on one worker (tests/conftest.py).
+# 2 cores: the suite waits on engines, clusters and daemons as much as it computes (2 workers: ~48 min from a fresh
+# clone, 3: 27-29). Each module, and the session app's modules together, run on one worker (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the system packages (apt) beside the Python set-up (pip): neither waits for the other

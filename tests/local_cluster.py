@@ -321,7 +321,12 @@ class LocalCluster:
         """`serve shutdown`, then wait until Serve's controller has exited: the command gives up waiting after 30 s
         (replicas draining), and a `serve deploy` sent to a controller that is still going down is lost. On a box
         loaded by 4 test workers and 2 busy loops the command itself took over 120 s once: its exit is not waited
-        for beyond `timeout_s`, the controller's is."""
+        for beyond `timeout_s`, the controller's is. This cluster's replica_probe driver is ended first: its Serve
+        handles point at the application going away, and after the next deploy a call through them waited until it
+        timed out ("Timed out resolving to ObjectRef", two 3-worker runs) instead of finding the new replicas."""
+        from tests.replica_probe import stop_probes
+
+        stop_probes(self.address)
         try:
             subprocess.run(
                 ["serve", "shutdown", "-a", self.dashboard_url, "-y"],

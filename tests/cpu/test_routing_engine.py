@@ -57,8 +57,8 @@ def summit2(tiny_model_dir, tmp_path_factory):
 def router_knows_every_replica(cluster) -> bool:
     """Readiness: the router places new keys of each model on both of its replicas. Until a replica's model has
     reached the router (`record_routing_stats`, every second; later on a loaded box) it gets none of that model's
-    requests, and a CI run with the box at 100 % sent every prefix and every session to one replica. Keys of their
-    own (`ready-*`): the tests' keys are new to the router."""
+    requests: a run of the suite on 4 workers beside 2 busy loops sent every prefix and every session to one
+    replica. Keys of their own (`ready-*`): the tests' keys are new to the router."""
     seen: dict[str, set[str]] = {PREFIX: set(), SESSION: set()}
     with httpx.Client(base_url=cluster.base_url, timeout=120) as http:
         for i in range(6):
