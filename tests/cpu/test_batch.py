@@ -14,7 +14,7 @@ import pytest
 
 from tests.cpu.conftest import MODEL
 from tests.cpu.engine_apps import APP, haproxy_servers, wait_for
-from tests.engine_checks import model_engine_cores, paused
+from tests.engine_checks import Throttle, model_engine_cores, paused
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -230,20 +230,23 @@ def test_runner_killed_mid_batch_finishes_exactly_once(client, summit):
 
 def test_application_restarted_mid_batch_finishes_exactly_once(client, summit):
     """`serve shutdown` + `serve deploy` of the same YAML: the new application's runner finds the batch in the store.
-    The engine is paused from a fifth of the lines until the application is gone, so the lines in flight cannot end
-    during the shutdown's drain: the new application must run them, each once."""
+    The engine crawls until a fifth of the lines are done, then is paused until the application is gone, so the lines
+    in flight cannot end during the shutdown's drain: the new application must run them, each once."""
     import yaml
 
     lines = completion_lines(48, max_tokens=64, prefix="restart", ignore_eos=True)
     cores = model_engine_cores(summit, MODEL)  # found first: the state API takes seconds on 2 cores
     config = yaml.safe_load((summit.temp_dir / "serve-config.yaml").read_text())
     servers = haproxy_servers(summit)
-    batch = client.batches.create(
-        input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
-    )
-    before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
     try:
-        with paused(cores):  # resumed after: a core whose replica left then exits
+        # the engine crawls from the batch's start (a run beside busy loops saw all 48 lines done at its first look),
+        # then stops for good once a fifth is done; resumed after the shutdown: a core whose replica left then exits
+        with Throttle(cores) as throttle:
+            batch = client.batches.create(
+                input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
+            )
+            before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
+            throttle.hold()
             summit.serve_shutdown()
     finally:
         summit.serve_deploy(config)  # before any assertion: the session's later modules need the app
