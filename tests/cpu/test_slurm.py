@@ -131,9 +131,9 @@ def submit(
         "RAY_AUTH_TOKEN_PATH": str(token),
         "LOG_DIR": str(logs),
         "SUMMIT_TINY_MODEL": str(tiny_model_dir),
-        # a loaded CI box has made a head's `ray start` miss Ray's fixed 30 s for a node to register three times
+        # a loaded box (3 pytest workers) has made a node's `ray start` miss Ray's fixed 30 s to register 5 times
         "NODES_WAIT_S": "600",
-        "START_TRIES": "5",
+        "START_TRIES": "8",
         "READY_WAIT_S": "600",
         "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
     }
