@@ -22,7 +22,7 @@ from typing import Any
 from deployments.http.asgi import read_body, send_json, send_plain
 from deployments.http.errors import OpenAIError
 from deployments.http.openapi import build as build_openapi
-from deployments.http.protocol import BATCH_PREFIXES
+from deployments.http.protocol import BATCH_PREFIXES, REPLICA_HEADER
 from deployments.lora.adapters import AdapterLoadError
 from deployments.lora.runtime import MAX_BODY_BYTES, RUNTIME_LORA_ROUTES, RuntimeAdapters
 from deployments.observability.metrics import ReplicaMetrics
@@ -114,7 +114,11 @@ class ReplicaFront(Entry):
         if not self.table.serves(ctx.model):  # a body cut at HAProxy's buffer, or a stale route
             await to_model_replica(ctx, ctx.model, self.options.forward, self.table.model)
             return
-        await run_steps(self._replica_steps, ctx)
+        try:
+            await run_steps(self._replica_steps, ctx)
+        except OpenAIError as e:  # this replica's refusal (its engine, admission, the prefill pool's answer) names it
+            e.headers.setdefault(REPLICA_HEADER.decode(), self.engine.replica_id)
+            raise
         await EngineCall(self, ctx).run()
 
     # the replica's steps

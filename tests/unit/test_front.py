@@ -1,6 +1,6 @@
 """The replica's front (deployments/server/front.py) around a fake engine app (`EchoEngineApp`, standing in for vLLM's
 OpenAI app): keys, routes, model check, request ids, error shapes, disconnect passed through. The real engine behind
-it is tested in tests/cpu (test_direct_path.py and the suite on the direct path)."""
+it is tested in tests/cpu (test_disaggregation.py and the suite on the direct path)."""
 
 from __future__ import annotations
 
@@ -146,6 +146,7 @@ def test_engine_errors_come_out_openai_shaped_and_a_dead_engine_is_503():
     dead, engine = front(dead=True)
     r = asyncio.run(call(dead, "POST", "/v1/completions", {"model": "a"}))
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and engine.seen == []
+    assert r.headers["x-summit-replica"] == "replica-1"  # the replica's own refusal names it, as its answers do
     assert asyncio.run(call(dead, "GET", "/health")).status_code == 503
 
 
