@@ -1,5 +1,5 @@
 """A dead engine: the client gets a clean error, Serve replaces the replica, the next request succeeds (direct path;
-the two-hop path's case is in test_direct_path.py's fallback test).
+the two-hop path's case is in test_disaggregation.py's fallback test).
 
 Named to run last: it restarts the session's only replica.
 """

@@ -1,7 +1,7 @@
 """The two-hop ingress (deployments/hops/ingress.py) in-process, its engine deployments faked (`FakeDeployment`
 answers through `handle_http` as an LLMServer replica would): the same entry steps as the replica front (key, body,
 model), the request relayed to its model's deployment without the key, a stream passed through. The real path is
-tested in tests/cpu/test_direct_path.py (models of different shapes)."""
+tested in tests/cpu/test_disaggregation.py (models of different shapes)."""
 
 from __future__ import annotations
 
