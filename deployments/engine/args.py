@@ -4,10 +4,18 @@ namespace `vllm serve` would build."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
+import importlib.util
+import json
+import os
+import types
+import typing
 from argparse import Namespace
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from app.config import ModelConfig
@@ -117,7 +125,70 @@ def _serve_parser():
 
 @functools.lru_cache(maxsize=1)
 def engine_arg_types() -> dict[str, Any]:
-    """Field name -> type (None where vLLM's annotation cannot be resolved) of vLLM's `AsyncEngineArgs`."""
+    """Field name -> type of vLLM's `AsyncEngineArgs`; None where Summit leaves the check to vLLM itself (an annotation
+    that cannot be resolved, or one naming vLLM's own classes: `compilation_config`, `kv_transfer_config`, ...).
+
+    Kept per vLLM install as text in Summit's cache (`~/.cache/summit`), so a process that only checks a YAML (Serve's
+    app build task at every `serve deploy`, `summit validate`) reads it instead of importing vLLM (about 7 CPU-s on
+    2 cores); the first such process after an install writes it. The types are the same whether read or computed."""
+    path = _types_cache_path()
+    try:
+        spelled = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        spelled = None
+    if not isinstance(spelled, dict):
+        spelled = {name: _spelled(hint) for name, hint in _vllm_engine_arg_types().items()}
+        if path is not None:
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(spelled, indent=0, sort_keys=True))
+                tmp.replace(path)
+    return {
+        name: None if text is None else eval(text, {"__builtins__": {}}, _SPELLING) for name, text in spelled.items()
+    }  # noqa: S307 - our own spelling of typing hints
+
+
+def _types_cache_path() -> Path | None:
+    """The cache file of the vLLM install Python would import (found without importing it): keyed by where it is
+    and when it was installed, so a reinstall or another venv writes its own."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    stat = os.stat(spec.origin)
+    key = hashlib.sha256(f"{spec.origin}:{stat.st_mtime_ns}:{stat.st_size}".encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "summit" / f"vllm-engine-args-{key}.json"
+
+
+_SPELLING: dict[str, Any] = {"Any": Any, "Literal": Literal, "None": None}
+_SPELLING.update({t.__name__: t for t in (int, float, str, bool, dict, list, tuple, set, bytes)})
+
+
+def _spelled(hint: Any) -> str | None:
+    """`hint` written with builtins, `Any` and `Literal` only (evaluated back in `_SPELLING`); None for any other
+    (a vLLM class or enum, a callable): vLLM checks those values itself."""
+    if hint is None or hint is type(None):
+        return "None"
+    if hint is Any:
+        return "Any"
+    if isinstance(hint, type) and _SPELLING.get(hint.__name__) is hint:
+        return hint.__name__
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        plain = all(type(a) in (str, int, float, bool, type(None)) for a in args)
+        return f"Literal[{', '.join(map(repr, args))}]" if plain else None
+    parts = [_spelled(a) for a in args]
+    if not args or None in parts:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(parts)
+    if origin in (list, dict, tuple, set):
+        return f"{origin.__name__}[{', '.join(parts)}]"
+    return None
+
+
+def _vllm_engine_arg_types() -> dict[str, Any]:
+    """`AsyncEngineArgs`' fields and their annotations, resolved in vLLM's own modules (None where that fails)."""
     import sys
 
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -125,7 +196,7 @@ def engine_arg_types() -> dict[str, Any]:
     namespace = {}
     for cls in reversed(AsyncEngineArgs.__mro__):
         namespace.update(vars(sys.modules[cls.__module__]))
-    types = {}
+    types_ = {}
     for field in dataclasses.fields(AsyncEngineArgs):
         hint = field.type
         if isinstance(hint, str):
@@ -133,8 +204,8 @@ def engine_arg_types() -> dict[str, Any]:
                 hint = eval(hint, namespace)  # noqa: S307 - vLLM's own annotation strings
             except Exception:
                 hint = None
-        types[field.name] = hint
-    return types
+        types_[field.name] = hint
+    return types_
 
 
 @functools.lru_cache(maxsize=1)
