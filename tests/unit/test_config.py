@@ -304,3 +304,32 @@ def test_a_deployment_with_its_own_runtime_env_keeps_the_applications():
     assert merged["env_vars"]["NCCL_NVLS_ENABLE"] == "0"  # the deployment's own (multicast off) win
     cpu = llm_deployment_options(ModelConfig.model_validate(model()))
     assert with_app_runtime_env(cpu, app_env) == cpu  # no runtime_env of its own: Serve gives it the application's
+
+
+def test_vllm_engine_arg_types_are_kept_per_install_and_read_without_importing_vllm(tmp_path):
+    """A first process computes the types from vLLM and writes them to ~/.cache/summit; a second reads the same types
+    without importing vLLM (Serve's app build at every `serve deploy`)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, json; from deployments.engine.args import engine_arg_types; t = engine_arg_types(); "
+        "print(json.dumps({'vllm': 'vllm' in sys.modules, 'types': {k: repr(v) for k, v in t.items()}}))"
+    )
+    env = {**os.environ, "HOME": str(tmp_path)}
+
+    def run() -> dict:
+        import json
+
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["vllm"] and list((tmp_path / ".cache" / "summit").glob("vllm-engine-args-*.json"))
+    second = run()
+    assert not second["vllm"] and second["types"] == first["types"]
+    types = second["types"]
+    assert types["max_num_seqs"] == "int | None" and types["enforce_eager"] == "<class 'bool'>"  # vLLM 0.32's
+    assert types["compilation_config"] == "None"  # a vLLM class: left to vLLM
