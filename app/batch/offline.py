@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -127,14 +128,37 @@ def _start_ray(address: str | None, num_cpus: int | None, runtime_env: dict) -> 
     if address is not None:
         ray.init(address=address, **common)
         return False
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="summit-batch-ray-"),
-        _node_ip_address="127.0.0.1",
-        **common,
-    )
-    return True
+    for attempt in range(1, PRIVATE_RAY_TRIES + 1):
+        temp_dir = tempfile.mkdtemp(prefix="summit-batch-ray-")
+        try:
+            ray.init(
+                num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, _node_ip_address="127.0.0.1", **common
+            )
+            return True
+        except Exception as e:  # Ray gives its node a fixed 30 s to register; a loaded machine can miss it
+            if "timed out during startup" not in str(e) or attempt == PRIVATE_RAY_TRIES:
+                raise
+            ray.shutdown()
+            _stop_processes_under(temp_dir)
+            print(
+                f"summit batch: the private Ray did not start ({e}); starting it again ({attempt} of "
+                f"{PRIVATE_RAY_TRIES} tries)",
+                file=sys.stderr,
+            )
+    raise AssertionError("unreachable")
+
+
+PRIVATE_RAY_TRIES = 3
+
+
+def _stop_processes_under(temp_dir: str) -> None:
+    """Kill what a private Ray that did not start left running (its processes name its temp dir)."""
+    import psutil
+
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if temp_dir in " ".join(proc.cmdline()):
+                proc.kill()
 
 
 def _run_on_serve(args: dict, config, todo: list[Line], out: Path, err: Path, concurrency: int, bar) -> dict:

@@ -238,3 +238,36 @@ def test_http_routes_answer_openai_shapes_and_wake_the_runner(tmp_path):
     asyncio.run(calls())
     assert Runner.wakes == 2
     api.store.close()
+
+
+def test_summit_batch_starts_its_private_ray_again_when_the_node_misses_rays_startup_timeout(monkeypatch, capsys):
+    """Ray gives a starting node a fixed 30 s to register (a loaded CI box missed it). Faked `ray.init`: the first
+    try leaves a process of its temp dir and times out as Ray does; the second starts. That process is killed."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from app.batch import offline
+
+    tries, left = [], []
+
+    def fake_init(**kwargs):
+        tries.append(kwargs["_temp_dir"])
+        if len(tries) == 1:
+            left.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", kwargs["_temp_dir"]]))
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    assert offline._start_ray(None, 2, {}) is True
+    assert len(tries) == 2 and tries[0] != tries[1]
+    assert left[0].wait(timeout=30) != 0  # killed
+    assert "starting it again (1 of 3 tries)" in capsys.readouterr().err
+
+    def always_late(**kwargs):
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "init", always_late)
+    with pytest.raises(Exception, match="timed out during startup"):
+        offline._start_ray(None, 2, {})
