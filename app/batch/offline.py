@@ -118,6 +118,9 @@ def _lines_to_run(in_path: Path, config, out: Path, err: Path) -> tuple[list[Lin
     return lines, skip, [line for line in lines if line.custom_id not in skip]
 
 
+PRIVATE_RAY_TRIES = 3  # starts of the private Ray (Ray gives its node a fixed 30 s to register)
+
+
 def _start_ray(address: str | None, num_cpus: int | None, runtime_env: dict) -> bool:
     """Join the cluster at `address`, or start a private one-node Ray on loopback (True) with its own temp dir."""
     import ray
@@ -145,10 +148,7 @@ def _start_ray(address: str | None, num_cpus: int | None, runtime_env: dict) -> 
                 f"{PRIVATE_RAY_TRIES} tries)",
                 file=sys.stderr,
             )
-    raise AssertionError("unreachable")
-
-
-PRIVATE_RAY_TRIES = 3
+    raise AssertionError("not reached: the last try returns or raises")
 
 
 def _stop_processes_under(temp_dir: str) -> None:

@@ -93,10 +93,9 @@ def served(tiny_model_dir):
     port = free_port()
     config["http_options"]["port"] = port
     (temp / "tiny-cpu.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    as_users_run_it = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"}  # conftest's
     env = {
-        **{
-            k: v for k, v in os.environ.items() if k != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
-        },  # Serve's default, as users run it
+        **as_users_run_it,
         **haproxy_env(temp / "h"),
         "RAY_TMPDIR": str(temp),
         "SUMMIT_TINY_MODEL": str(tiny_model_dir),
