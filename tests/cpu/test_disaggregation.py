@@ -102,11 +102,16 @@ def complete(http: httpx.Client, model: str, prompt: str, headers=None, **extra)
 _SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
+def replicas_by_model(cluster) -> dict[str, str]:
+    """{replica_id: model}, as each engine replica reports it (LLMServer.stats through a Serve handle)."""
+    answers = probe(cluster.address, "each", APP, POOL, "stats", "--replicas", "2")
+    return {rid: s["model"] for rid, s in answers.items()}
+
+
 def decode_counters(cluster) -> dict:
     """What the decode engine took from its KV connector and generated, from vLLM's own counters as Ray's metrics
     export them for its replica (settled: every request answered before the call is in)."""
-    answers = probe(cluster.address, "each", APP, POOL, "stats", "--replicas", "2")
-    (replica,) = [rid for rid, a in answers.items() if a["model"] == PD]
+    (replica,) = [rid for rid, model in replicas_by_model(cluster).items() if model == PD]
 
     def read() -> dict:
         s = scrape(cluster)
@@ -143,12 +148,6 @@ def test_the_engine_replicas_are_the_ingress_and_the_model_has_a_prefill_pool(pd
 
     assert wait_for(lambda: len(pinned_servers()) == 2, 30), pinned_servers()
     assert all(any(r["replica_id"] in s for r in replicas) for s in pinned_servers())
-
-
-def replicas_by_model(cluster) -> dict[str, str]:
-    """{replica_id: model}, as each engine replica reports it (LLMServer.stats through a Serve handle)."""
-    answers = probe(cluster.address, "each", APP, POOL, "stats", "--replicas", "2")
-    return {rid: s["model"] for rid, s in answers.items()}
 
 
 def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_dir):
