@@ -36,6 +36,17 @@ def mp_workers(replica: dict) -> list[psutil.Process]:
     return _descendants_titled(replica["pid"], "::Worker")
 
 
+def runnable_share(procs: list[psutil.Process], samples: int = 40, every_s: float = 0.01) -> float:
+    """The share of samples (one each `every_s`) in which a process's main thread was running or waiting for a CPU
+    (state R in /proc/PID/stat) rather than asleep: a thread that spins on a queue is R, loaded box or not."""
+    runnable = 0
+    for _ in range(samples):
+        for proc in procs:
+            runnable += open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "R"
+        time.sleep(every_s)
+    return runnable / (samples * len(procs))
+
+
 def assert_workers_forked_by_the_core(replica_pid: int) -> list[psutil.Process]:
     """Each `mp` worker of the replica's engine was forked by its engine core (deployments/engine/platform.py), not
     spawned: a forked process keeps its parent's initial environment block (/proc/PID/environ) byte for byte, without

@@ -1,5 +1,5 @@
-"""Summit's vLLM plugins: the engine core forks its workers (every engine), and vLLM's CPU platform with Ray's
-executor (test clusters only).
+"""Summit's vLLM plugins: the engine core forks its workers (every engine), its queue readers spin briefly (CPU
+engines), and vLLM's CPU platform with Ray's executor (test clusters only).
 
 `engine_core_forks_workers` (the `vllm.general_plugins` entry point, pyproject.toml): a Summit replica is a Ray actor,
 so vLLM must spawn its engine core from it, and writes `VLLM_WORKER_MULTIPROC_METHOD=spawn` into the environment the
@@ -8,6 +8,15 @@ again (about 10 s of CPU per engine start, measured on 2 cores: 30-35 s -> 21-22
 Ray actor, and vLLM's own server forks the workers from its core; where the replica asks for it
 (`FORK_WORKERS_ENV`, set by deployments/engine/app.py for the `mp` executor unless the YAML's runtime_env sets it to
 0), the core does the same. vLLM still spawns where it must (CUDA initialized in the core, for example).
+
+`shm_readers_spin_briefly` (a `vllm.general_plugins` entry point too): vLLM's shared-memory queues between an engine
+core and its `mp` workers (the core's inputs to the workers, their outputs back) are read by spinning: after each
+read, a reader polls the buffer for 1 s (`sched_yield` in a loop) before it waits for the writer's notification. An
+engine answering a request a second keeps each worker spinning a whole core between requests (measured on 2 cores,
+the tiny model: 30 requests 1.5 s apart cost its worker 31 CPU-s), cores that a CPU engine computes on. Where the
+replica sets SPIN_ENV (deployments/engine/app.py: CPU engines, `SPIN_CPU_S`; the YAML's runtime_env may set another
+value, `1` being vLLM's own), the readers of the core and its workers spin that long instead. A running engine reads
+again within a decode step, long before that; the first step after an idle pause waits for one notification.
 
 `cpu_ray_platform`:
 
@@ -32,6 +41,8 @@ FORK_WORKERS_ENV = "SUMMIT_ENGINE_CORE_FORKS_WORKERS"
 # set in the engine core's environment once it chose to fork: a worker spawned anyway would carry it in its initial
 # environment (/proc/PID/environ), a forked one cannot (tests/engine_checks.py: assert_workers_forked_by_the_core)
 FORKING_CORE_ENV = "SUMMIT_FORKING_ENGINE_CORE"
+SPIN_ENV = "SUMMIT_ENGINE_SPIN_S"
+SPIN_CPU_S = 0.1  # a CPU engine's readers: vLLM's 1 s after each read is 10x what a decode step needs
 
 
 def engine_core_forks_workers() -> None:
@@ -43,6 +54,37 @@ def engine_core_forks_workers() -> None:
         return
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     os.environ[FORKING_CORE_ENV] = str(os.getpid())
+
+
+def shm_readers_spin_briefly() -> None:
+    """Entry point of the `vllm.general_plugins` group: in an engine core and a spawned worker (a forked worker
+    inherits its core's), the shared-memory queue readers made from now on spin SPIN_ENV seconds after a read instead
+    of vLLM's 1 s. Not in the replica (its main process reads no such queue), nor where SPIN_ENV is unset."""
+    import inspect
+    import multiprocessing
+
+    seconds = os.environ.get(SPIN_ENV)
+    if seconds is None or multiprocessing.current_process().name == "MainProcess":
+        return
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:  # a vLLM without it (its readers poll as they do)
+        return
+    original = SpinCondition.__init__
+    if (
+        getattr(original, "__summit_spin__", None) is not None
+        or "busy_loop_s" not in inspect.signature(original).parameters
+    ):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        if len(args) < 4:  # is_reader, context, notify_address[, busy_loop_s]
+            kwargs.setdefault("busy_loop_s", float(seconds))
+        original(self, *args, **kwargs)
+
+    __init__.__summit_spin__ = float(seconds)
+    SpinCondition.__init__ = __init__
 
 
 def cpu_ray_platform() -> str | None:

@@ -6,9 +6,33 @@ Named to run last: it restarts the session's only replica.
 
 from __future__ import annotations
 
+import time
+
+from deployments.engine.platform import SPIN_CPU_S
 from tests.cpu.conftest import MODEL
 from tests.cpu.engine_apps import wait_for
-from tests.engine_checks import assert_workers_forked_by_the_core, kill_engine_and_wait_for_answers
+from tests.engine_checks import (
+    assert_workers_forked_by_the_core,
+    kill_engine_and_wait_for_answers,
+    mp_workers,
+    runnable_share,
+)
+
+
+def test_an_idle_cpu_engines_worker_sleeps_instead_of_spinning(client, engine_stats):
+    """vLLM's workers spin on their shared-memory queue for 1 s after each read (a core each, between requests); a CPU
+    engine's spin SPIN_CPU_S (deployments/engine/platform.py). From 0.4 s after an answer for 0.4 s, a worker spinning
+    vLLM's 1 s would be runnable in nearly every sample (measured: with SUMMIT_ENGINE_SPIN_S=1 in the app, 1.0)."""
+    assert SPIN_CPU_S < 0.4
+    workers = mp_workers({"pid": engine_stats()["pid"]})
+    assert workers
+    shares = []
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt="The ridge", max_tokens=4)
+        time.sleep(0.4)
+        shares.append(runnable_share(workers))
+    print("worker runnable share 0.4-0.8 s after an answer:", shares)
+    assert min(shares) < 0.5, shares
 
 
 def test_killed_engine_is_replaced(summit, engine_stats):

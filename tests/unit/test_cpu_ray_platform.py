@@ -63,3 +63,33 @@ def test_the_engine_core_forks_its_workers_only_where_the_replica_asked(monkeypa
         platform.engine_core_forks_workers()
         assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == ("fork" if forks else "spawn"), name
         assert (os.environ.get(platform.FORKING_CORE_ENV) == str(os.getpid())) is forks, name
+
+
+def test_queue_readers_spin_briefly_only_in_engine_processes_whose_replica_asked():
+    """vLLM's general plugin: in an engine core or worker with SPIN_ENV set, a shared-memory queue reader made after it
+    spins that long (vLLM's own default: 1 s); not in the replica's main process, nor without SPIN_ENV. One fresh
+    interpreter (the plugin patches vLLM's class for its process), the cases in an order where each would show."""
+    from deployments.engine import platform
+
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "summit_shm_readers_spin_briefly"]
+    assert plugin.load() is platform.shm_readers_spin_briefly
+    code = f"""
+import multiprocessing, os, tempfile, zmq
+from deployments.engine.platform import shm_readers_spin_briefly
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+def spin(name, asked):
+    multiprocessing.current_process().name = name
+    os.environ.pop("{platform.SPIN_ENV}", None)
+    if asked:
+        os.environ["{platform.SPIN_ENV}"] = asked
+    shm_readers_spin_briefly()
+    path = "ipc://" + tempfile.mktemp()
+    return SpinCondition(is_reader=True, context=zmq.Context(), notify_address=path).busy_loop_s
+
+print(spin("EngineCore", None), spin("MainProcess", "0.1"), spin("VllmWorker-0", "0.25"), spin("EngineCore", "0.1"))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # the last: a second call keeps the first's patch (vLLM may call its plugins again)
+    assert [float(x) for x in run.stdout.split()[-4:]] == [1.0, 1.0, 0.25, 0.25]
