@@ -57,6 +57,9 @@ if [ "$INSTALLER" = uv ]; then
   # now, as pip does: where PYTHONDONTWRITEBYTECODE is set, each process would compile what it imports again
   run "$VENV/bin/uv" pip install --python "$VENV/bin/python" -q --index-strategy unsafe-best-match --compile-bytecode \
     "${uv_args[@]}" -e ".[$EXTRAS]"
+  if [[ ",$EXTRAS," == *",cpu,"* ]]; then  # what an earlier install left (none where uv made the venv)
+    run "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" -q "${CUDA_BUILDS[@]}"
+  fi
 else
   run "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
   if [[ ",$EXTRAS," == *",cpu,"* ]]; then
