@@ -211,16 +211,21 @@ def _runner_state(summit) -> dict:
 
 
 def test_runner_killed_mid_batch_finishes_exactly_once(client, summit):
+    """The batch runner is killed with lines in flight: the engine crawls from the batch's start and is paused once a
+    fifth of the lines are done, so the kill lands mid-batch with lines held in the engine, whatever the box's load;
+    the new runner finishes the batch, each line once."""
     assert _runner_state(summit)["pid"], "the runner should answer"  # the driver's handle made before the clock runs
-    # long enough lines that the kill lands mid-batch (240 x 16 tokens took 3 s on a fast run)
-    lines = completion_lines(240, max_tokens=128, prefix="kill", ignore_eos=True)
-    batch = client.batches.create(
-        input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
-    )
-    before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
-    state = _runner_state(summit)
-    assert state["batch"] == batch.id, (state, before)
-    os.kill(state["pid"], signal.SIGKILL)  # with lines in flight
+    lines = completion_lines(48, max_tokens=16, prefix="kill", ignore_eos=True)
+    cores = model_engine_cores(summit, MODEL)
+    with Throttle(cores) as throttle:
+        batch = client.batches.create(
+            input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
+        )
+        before = wait_progress(client, batch.id, 0.2, len(lines)).request_counts
+        throttle.hold()
+        state = _runner_state(summit)
+        assert state["batch"] == batch.id, (state, before)
+        os.kill(state["pid"], signal.SIGKILL)  # with lines in flight, held in the paused engine
     assert before.completed + before.failed < 0.8 * len(lines), "the fault came too late to mean anything"
     assert wait_for(lambda: _runner_state(summit)["pid"] not in (None, state["pid"]), 240, 2)
     batch = wait_status(client, batch.id, {"completed"}, 600)
@@ -234,7 +239,7 @@ def test_application_restarted_mid_batch_finishes_exactly_once(client, summit):
     in flight cannot end during the shutdown's drain: the new application must run them, each once."""
     import yaml
 
-    lines = completion_lines(48, max_tokens=64, prefix="restart", ignore_eos=True)
+    lines = completion_lines(48, max_tokens=16, prefix="restart", ignore_eos=True)
     cores = model_engine_cores(summit, MODEL)  # found first: the state API takes seconds on 2 cores
     config = yaml.safe_load((summit.temp_dir / "serve-config.yaml").read_text())
     servers = haproxy_servers(summit)
