@@ -149,6 +149,16 @@ class _SummitRouter(RequestRouter):
     def _policy(self, model: str | None) -> _Policy:
         return self._policies.get(model) or self._policies[None]
 
+    def _serves_no_such_model(self, model: str | None, replicas: list[RunningReplica]) -> bool:
+        """Whether `model` is a name no model of this deployment has (its policies are keyed by its models' names),
+        where no replica has LoRA adapters (one loaded at run time reaches the routers' stats a second later)."""
+        return (
+            model is not None
+            and len(self._policies) > 1
+            and model not in self._policies
+            and not any("adapters" in r.routing_stats for r in replicas)
+        )
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
@@ -159,9 +169,14 @@ class _SummitRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         request = _http_request(pending_request)
         model = request.model if request else None
-        candidate_replicas = same_model(candidate_replicas, model)
-        if not candidate_replicas:  # the model's replicas have not reported yet: Serve asks again after a backoff
-            return []
+        serving = same_model(candidate_replicas, model)
+        if not serving:
+            if not self._serves_no_such_model(model, candidate_replicas):
+                return []  # the model's replicas have not reported yet: Serve asks again after a backoff
+            # a name no model of this deployment has: any replica's front answers the 404 (waiting for its replicas
+            # took the direct path's route picker its 3 s, and HAProxy's 5 s ran out on a loaded box: a plain 503)
+            serving = candidate_replicas
+        candidate_replicas = serving
         avoid = request.header(AVOID_HEADER) if request else None  # a resumed stream's dead replica
         if avoid and len(candidate_replicas) > 1:
             candidate_replicas = [

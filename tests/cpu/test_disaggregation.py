@@ -255,7 +255,7 @@ def test_one_base_url_serves_both_models_from_their_own_replicas(pd_app):
             assert owner[stream.headers["x-summit-replica"]] == name
         assert chunks and {c["model"] for c in chunks} == {name}
     r = httpx.post(pd_app.base_url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
-    assert r.status_code == 404 and AGG in r.json()["error"]["message"]
+    assert r.status_code == 404 and AGG in r.json()["error"]["message"], (r.status_code, r.text[:300])
 
 
 def test_a_body_cut_at_the_routing_buffer_is_answered_by_its_model(pd_app):

@@ -215,6 +215,33 @@ def test_each_model_of_a_shared_deployment_is_routed_by_its_own_policy():
     assert least == {"l2"}  # the session key means nothing to `l`: by load, among its own replicas
 
 
+def test_a_model_no_replica_serves_goes_to_any_replica_at_once_its_own_models_wait():
+    """A name that is none of the deployment's models goes to any replica at once (its front answers the 404);
+    a model of the deployment whose replicas are not there waits; with LoRA adapters, an unknown name waits too (an
+    adapter loaded at run time reaches the stats later)."""
+
+    async def scenario():
+        a1, b1 = FakeReplica("a1"), FakeReplica("b1")
+        a1.routing_stats, b1.routing_stats = {"model": "a"}, {"model": "b"}
+        policies = {"a": {"policy": "least_load"}, "b": {"policy": "least_load"}, "c": {"policy": "least_load"}}
+        router = make_router(ModelPolicyRouter, [a1, b1], policies=policies)
+
+        def req(model: str) -> PendingRequest:
+            p = pending({"model": model, "prompt": "x"})
+            p.args[0].model = model
+            return p
+
+        unknown = await router.choose_replicas([a1, b1], req("nope"))
+        starting = await router.choose_replicas([a1, b1], req("c"))
+        a1.routing_stats = {"model": "a", "adapters": ["a-sql"], "loaded": []}
+        with_lora = await router.choose_replicas([a1, b1], req("nope"))
+        return unknown, starting, with_lora
+
+    unknown, starting, with_lora = asyncio.run(scenario())
+    assert {r.replica_id.unique_id for rank in unknown for r in rank} == {"a1", "b1"}
+    assert starting == [] and with_lora == []
+
+
 def test_same_model_keeps_a_request_to_its_models_replicas():
     from types import SimpleNamespace
 
