@@ -14,7 +14,8 @@ shape (one engine each) and spreads the load over them: Summit as one applicatio
 route picker), vLLM as N api_servers (the client picks each model's server); Ray Serve LLM's direct streaming takes
 one model per application and is left out. `--monitoring-cost` runs only Summit, with its monitoring off and on
 (metrics and traces), and prints the on/off ratios of CPU-seconds (every process of the Ray cluster, metrics agent
-included) per 1,000 output tokens and of tok/s.
+included) per 1,000 output tokens and of tok/s. `--spin-cost` runs vLLM, Summit, and Summit with its engine's queue
+readers spinning 0.1 s after a read instead of vLLM's 1 s (`SUMMIT_ENGINE_SPIN_S=0.1`).
 Prints output tok/s and TTFT p50/p99 of each and Summit's ratio to vLLM. Not a test: nothing is asserted.
 `--json FILE` writes `[{peer, concurrency, out_tok_s, ttft_p50_ms, ttft_p99_ms, ...}]`.
 """
@@ -213,6 +214,7 @@ def bench_summit(
     replicas: int = 1,
     haproxy: bool = False,
     monitoring: dict | None = None,
+    app_env: dict[str, str] | None = None,
 ) -> tuple[float, list[LoadResult]]:
     models = [
         {
@@ -235,7 +237,12 @@ def bench_summit(
                 "route_prefix": "/",
                 "import_path": "app.build:build_app",
                 "runtime_env": {
-                    "env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}
+                    "env_vars": {
+                        "RAY_AUTH_MODE": "disabled",
+                        "RAY_worker_niceness": "0",
+                        **engine_env(ns),
+                        **(app_env or {}),
+                    }
                 },
                 "args": {"models": models, **({"monitoring": monitoring} if monitoring else {})},
             }
@@ -377,6 +384,12 @@ def main() -> None:
         help="only Summit, monitoring off vs on (metrics and "
         "traces), alternating; prints the CPU-seconds per 1,000 tokens and tok/s ratios",
     )
+    p.add_argument(
+        "--spin-cost",
+        action="store_true",
+        help="vLLM, Summit, and Summit with its engine's queue readers spinning 0.1 s (SUMMIT_ENGINE_SPIN_S=0.1) "
+        "instead of vLLM's 1 s",
+    )
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     if ns.coalesce_ms is None:
@@ -403,10 +416,15 @@ def main() -> None:
         "rayllm": bench_rayllm,
         "summit-monitoring-off": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, MONITORING_OFF),
         "summit-monitoring-on": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, MONITORING_ON),
+        "summit-spin-0.1s": lambda ns, d, tp, r: bench_summit(
+            ns, d, tp, r, True, None, {"SUMMIT_ENGINE_SPIN_S": "0.1"}
+        ),
     }
     wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set()) | ({"rayllm"} if ns.rayllm else set())
     if ns.monitoring_cost:
         wanted = {"summit-monitoring-off", "summit-monitoring-on"}
+    if ns.spin_cost:
+        wanted = {"vllm", "summit", "summit-spin-0.1s"}
     if ns.models > 1 and "rayllm" in wanted:
         raise SystemExit(
             "--rayllm takes one model: Ray Serve LLM 2.60's direct streaming serves one model per application"

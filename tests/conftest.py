@@ -8,6 +8,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # cluster then used 5.4 CPU-s a minute instead of 8.5-11.3 (tests/README.md): the suite runs up to four clusters at
 # once on 2 cores. Serve's autoscaling delays are in seconds whatever the interval. Benchmarks keep Serve's default.
 os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+# The test engines' queue readers spin 0.1 s after a read, not vLLM's 1 s (deployments/engine/platform.py): the suite's
+# engines answer a request now and then, and each answer cost a worker a second of a core. Not Summit's default: under
+# load it costs a CPU engine throughput (tests/README.md).
+os.environ.setdefault("SUMMIT_ENGINE_SPIN_S", "0.1")
 
 
 import openai  # noqa: E402

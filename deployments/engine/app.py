@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from deployments.engine.args import openai_entrypoints
-from deployments.engine.platform import FORK_WORKERS_ENV, SPIN_CPU_S, SPIN_ENV
+from deployments.engine.platform import FORK_WORKERS_ENV
 
 
 @dataclass
@@ -34,7 +34,6 @@ async def start_engine_app(args: Namespace, metrics: bool = True) -> EngineApp:
     _use_replica_placement_group(vllm_config)
     _own_kv_side_channel(vllm_config)
     _fork_workers_in_the_core(vllm_config)
-    _spin_briefly_on_cpu()
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
@@ -85,16 +84,6 @@ def _fork_workers_in_the_core(vllm_config) -> None:
     instead of spawning them, unless the YAML's runtime_env sets SUMMIT_ENGINE_CORE_FORKS_WORKERS to 0."""
     if vllm_config.parallel_config.distributed_executor_backend == "mp" and os.environ.get(FORK_WORKERS_ENV) != "0":
         os.environ[FORK_WORKERS_ENV] = "1"
-
-
-def _spin_briefly_on_cpu() -> None:
-    """A CPU engine's core and workers spin SPIN_CPU_S after each read of their shared-memory queues, not vLLM's 1 s
-    (deployments/engine/platform.py: shm_readers_spin_briefly), unless the YAML's runtime_env sets
-    SUMMIT_ENGINE_SPIN_S."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        os.environ.setdefault(SPIN_ENV, str(SPIN_CPU_S))
 
 
 def _use_replica_placement_group(vllm_config) -> None:

@@ -1,5 +1,5 @@
-"""Summit's vLLM plugins: the engine core forks its workers (every engine), its queue readers spin briefly (CPU
-engines), and vLLM's CPU platform with Ray's executor (test clusters only).
+"""Summit's vLLM plugins: the engine core forks its workers (every engine), its queue readers spin briefly (where
+asked), and vLLM's CPU platform with Ray's executor (test clusters only).
 
 `engine_core_forks_workers` (the `vllm.general_plugins` entry point, pyproject.toml): a Summit replica is a Ray actor,
 so vLLM must spawn its engine core from it, and writes `VLLM_WORKER_MULTIPROC_METHOD=spawn` into the environment the
@@ -13,10 +13,11 @@ Ray actor, and vLLM's own server forks the workers from its core; where the repl
 core and its `mp` workers (the core's inputs to the workers, their outputs back) are read by spinning: after each
 read, a reader polls the buffer for 1 s (`sched_yield` in a loop) before it waits for the writer's notification. An
 engine answering a request a second keeps each worker spinning a whole core between requests (measured on 2 cores,
-the tiny model: 30 requests 1.5 s apart cost its worker 31 CPU-s), cores that a CPU engine computes on. Where the
-replica sets SPIN_ENV (deployments/engine/app.py: CPU engines, `SPIN_CPU_S`; the YAML's runtime_env may set another
-value, `1` being vLLM's own), the readers of the core and its workers spin that long instead. A running engine reads
-again within a decode step, long before that; the first step after an idle pause waits for one notification.
+the tiny model: 30 requests 1.5 s apart cost its worker 31 CPU-s; 4 CPU-s with a 0.1 s spin, at the same latency).
+Where SPIN_ENV is set (the app's runtime_env.env_vars; Summit's test clusters set 0.1), the readers of the core and
+its workers spin that long instead. Not by default: under load a CPU step often outlasts a short spin, and the reader
+then waits for a notification before each step: the tiny model at 16 streams on 2 cores served 411-542 tok/s with
+0.1 s against 793-1,011 with vLLM's 1 s (bench/results/cpu-engine-spin-2026-11-27.md).
 
 `cpu_ray_platform`:
 
@@ -42,7 +43,6 @@ FORK_WORKERS_ENV = "SUMMIT_ENGINE_CORE_FORKS_WORKERS"
 # environment (/proc/PID/environ), a forked one cannot (tests/engine_checks.py: assert_workers_forked_by_the_core)
 FORKING_CORE_ENV = "SUMMIT_FORKING_ENGINE_CORE"
 SPIN_ENV = "SUMMIT_ENGINE_SPIN_S"
-SPIN_CPU_S = 0.1  # a CPU engine's readers: vLLM's 1 s after each read is 10x what a decode step needs
 
 
 def engine_core_forks_workers() -> None:

@@ -93,7 +93,8 @@ def served(tiny_model_dir):
     port = free_port()
     config["http_options"]["port"] = port
     (temp / "tiny-cpu.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    as_users_run_it = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"}  # conftest's
+    conftests = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "SUMMIT_ENGINE_SPIN_S"}  # tests/conftest.py: test clusters only
+    as_users_run_it = {k: v for k, v in os.environ.items() if k not in conftests}
     env = {
         **as_users_run_it,
         **haproxy_env(temp / "h"),
