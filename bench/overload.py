@@ -33,6 +33,7 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
     statuses: Counter = Counter()
     refusal_ms: list[float] = []
     bad_refusals: list[str] = []
+    cuts: list[str] = []  # what a cut request had got: its status, the bytes read, the error
     hung = 0
     # Every client is made before the clock starts and sends at least once: on a loaded 2-core box, making 48 HTTP
     # clients inside the burst took longer than a 15-s burst (a CI run: 3 requests sent, none refused).
@@ -45,8 +46,10 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
         with https[i] as http:
             while True:
                 t0 = time.monotonic()
+                seen = {"status": None, "bytes": 0}
                 try:
                     with http.stream("POST", "/v1/completions", json=body) as r:
+                        seen["status"] = r.status_code
                         if r.status_code in (429, 503):
                             took = (time.monotonic() - t0) * 1000
                             text = r.read()
@@ -60,8 +63,8 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
                                     bad_refusals.append(f"{r.status_code} {r.headers} {text[:200]!r}")
                             time.sleep(min(float(r.headers.get("retry-after", 1)), 0.5))  # an impatient client
                         else:
-                            for _ in r.iter_lines():
-                                pass
+                            for line in r.iter_lines():
+                                seen["bytes"] += len(line) + 1
                         with lock:
                             statuses[r.status_code] += 1
                 except httpx.TimeoutException:
@@ -70,6 +73,8 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
                 except httpx.HTTPError as e:
                     with lock:
                         statuses[f"cut: {type(e).__name__}"] += 1
+                        took = time.monotonic() - t0
+                        cuts.append(f"status {seen['status']}, {seen['bytes']} bytes read in {took:.1f} s: {e}"[:300])
                 if time.monotonic() >= stop:
                     break
 
@@ -97,6 +102,7 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
         "refusal_p50_ms": round(q[49], 1),
         "refusal_p99_ms": round(q[98], 1),
         "bad_refusals": bad_refusals[:5],
+        "cuts": cuts[:5],
         "hung": hung,
         "recovered_s": recovered,
     }
