@@ -246,7 +246,29 @@ def cores_by_replica(cluster, count: int = 2) -> dict[str, list[psutil.Process]]
         return len(replicas) == count and all(cores.values())
 
     assert wait_for(ready, 360, 1), f"each of {count} replicas should own a vLLM EngineCore process: {cores}"
+    each_takes_requests(cluster, set(cores))
     return cores
+
+
+def each_takes_requests(cluster, replicas: set[str], timeout_s: float = 120) -> None:
+    """Short completions through the cluster's front door (prompts that spread over the replicas) until each of
+    `replicas` has answered one: Serve reports a replacement RUNNING before HAProxy routes to it (a case that struck
+    then sent its whole load to the one replica HAProxy knew, and had no survivor to compare)."""
+    seen: Counter = Counter()
+
+    def each_answered() -> bool:
+        try:
+            r = httpx.post(
+                cluster.base_url + "/v1/completions",
+                timeout=30,
+                json={"model": MODEL, "prompt": f"{sum(seen.values())} which replica?", "max_tokens": 1},
+            )
+        except httpx.HTTPError:
+            return False
+        seen[r.headers.get("x-summit-replica") if r.status_code == 200 else r.status_code] += 1
+        return replicas <= set(seen)
+
+    assert wait_for(each_answered, timeout_s, 0.2), f"not every replica of {sorted(replicas)} answered: {seen}"
 
 
 def held(procs: list[psutil.Process]):
