@@ -28,7 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BOUND_S = 120.0
 
 
-def overload(base_url: str, model: str, clients: int, duration_s: float, tokens: int = 64) -> dict:
+def overload(
+    base_url: str, model: str, clients: int, duration_s: float, tokens: int = 64, burst_over=lambda: None
+) -> dict:
+    """The burst's figures; `burst_over()` is called when its clock ends (the clients then finish what they had sent:
+    a test that slowed the engines for the burst lets them go on there)."""
     lock = threading.Lock()
     statuses: Counter = Counter()
     refusal_ms: list[float] = []
@@ -78,8 +82,11 @@ def overload(base_url: str, model: str, clients: int, duration_s: float, tokens:
                 if time.monotonic() >= stop:
                     break
 
+    over = threading.Timer(max(0.0, stop - time.monotonic()), burst_over)
+    over.start()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
+    over.join()
     end = time.monotonic()
     recovered = None
     while time.monotonic() - end < 60:

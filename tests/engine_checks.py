@@ -244,14 +244,21 @@ class Throttle:
         while time.monotonic() < deadline and not all(_stopped(p) for p in self.procs):
             time.sleep(0.01)
 
-    def __exit__(self, *exc) -> None:
+    def release(self) -> None:
+        """Full speed from now on (what leaving the context does; once is enough)."""
+        if self._proc is None:
+            return
         self._proc.terminate()
         self._proc.wait(30)
+        self._proc = None
         for p in self.procs:  # resumed whatever the script managed
             try:
                 p.resume()
             except psutil.NoSuchProcess:
                 pass
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _stopped(proc: psutil.Process) -> bool:
