@@ -28,7 +28,10 @@ class LoadResult:
     wall_s: float
     ttft_s: list[float]
     errors: int
-    # CPU seconds the serving processes (the server's whole process tree: engine included) used during the load
+    # CPU seconds the server's whole process tree used during the load, engine included
+    cpu_s: float | None = None
+    # ... of which the serving processes' (all but vLLM's engine core and workers: the HTTP server, Summit's replica,
+    # Ray's daemons, HAProxy): the work a server adds around the engine
     serving_cpu_s: float | None = None
     # ... the largest shares of it, by process role
     cpu_breakdown: list[tuple[str, float]] | None = None
@@ -53,7 +56,8 @@ class LoadResult:
             "ttft_p50_ms": round(self.ttft_pct(50) * 1000, 1),
             "ttft_p99_ms": round(self.ttft_pct(99) * 1000, 1),
             "wall_s": round(self.wall_s, 2),
-            **({} if self.serving_cpu_s is None else {"serving_cpu_s_per_1k_tok": self.cpu_per_1k_tok()}),
+            **({} if self.serving_cpu_s is None else {"serving_cpu_s_per_1k_tok": self.serving_cpu_per_1k_tok()}),
+            **({} if self.cpu_s is None else {"cpu_s_per_1k_tok": self.cpu_per_1k_tok()}),
             **(
                 {}
                 if not self.tpot_s
@@ -66,9 +70,24 @@ class LoadResult:
         }
 
     def cpu_per_1k_tok(self) -> float | None:
-        if self.serving_cpu_s is None or not self.output_tokens:
-            return None
-        return round(self.serving_cpu_s / self.output_tokens * 1000, 3)
+        """CPU seconds of the whole server (engine included) per 1,000 output tokens."""
+        return _per_1k(self.cpu_s, self.output_tokens)
+
+    def serving_cpu_per_1k_tok(self) -> float | None:
+        """CPU seconds of the serving processes (all but the engine's) per 1,000 output tokens."""
+        return _per_1k(self.serving_cpu_s, self.output_tokens)
+
+
+def _per_1k(seconds: float | None, tokens: int) -> float | None:
+    return None if seconds is None or not tokens else round(seconds / tokens * 1000, 3)
+
+
+# vLLM's engine processes (their titles): the engine core and its workers, the same in every peer
+ENGINE_ROLES = ("VLLM::EngineCore", "VLLM::Worker")
+
+
+def is_engine_role(label: str) -> bool:
+    return label.startswith(ENGINE_ROLES)
 
 
 def tree_cpu_s(root_pid: int) -> dict[tuple[int, float, str], float]:
@@ -115,10 +134,10 @@ def cpu_by_process(before: dict, after: dict, top: int = 8) -> list[tuple[str, f
     return sorted(by_label.items(), key=lambda kv: -kv[1])[:top]
 
 
-def cpu_used_s(before: dict, after: dict) -> float:
+def cpu_used_s(before: dict, after: dict, serving_only: bool = False) -> float:
     """CPU seconds between two `tree_cpu_s` snapshots (a process started in between counts whole; one that ended in
-    between is missed)."""
-    return sum(t - before.get(key, 0.0) for key, t in after.items())
+    between is missed); `serving_only`: all but the engine's processes."""
+    return sum(t - before.get(key, 0.0) for key, t in after.items() if not (serving_only and is_engine_role(key[2])))
 
 
 async def stream_completion(

@@ -16,7 +16,9 @@ one model per application and is left out. `--monitoring-cost` runs only Summit,
 (metrics and traces), and prints the on/off ratios of CPU-seconds (every process of the Ray cluster, metrics agent
 included) per 1,000 output tokens and of tok/s. `--spin-cost` runs vLLM, Summit, and Summit with its engine's queue
 readers spinning 0.1 s after a read instead of vLLM's 1 s (`SUMMIT_ENGINE_SPIN_S=0.1`).
-Prints output tok/s and TTFT p50/p99 of each and Summit's ratio to vLLM. Not a test: nothing is asserted.
+`--profile DIR` records py-spy on the replica, vLLM's server and the engine processes during each load
+(bench/pyspy.py). Prints output tok/s, TTFT p50/p99 and serving CPU-seconds per 1,000 tokens (every process but vLLM's
+engine core and workers) of each, and Summit's ratios to vLLM. Not a test: nothing is asserted.
 `--json FILE` writes `[{peer, concurrency, out_tok_s, ttft_p50_ms, ttft_p99_ms, ...}]`.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -138,9 +141,11 @@ def run_loads(
         n = ns.requests if ns.requests_per_stream is None else max(8, c * ns.requests_per_stream)
         prompts = make_prompts(n, ns.prompt_words, distinct=getattr(ns, "distinct_prompts", False))
         before = [tree_cpu_s(pid) for pid in server_pids]
-        result = run_load_processes(base_url, models, prompts, c, ns.max_tokens, ns.client_procs)
+        with profiled(ns, server_pids, f"c{c}"):
+            result = run_load_processes(base_url, models, prompts, c, ns.max_tokens, ns.client_procs)
         after = [tree_cpu_s(pid) for pid in server_pids]
-        result.serving_cpu_s = sum(cpu_used_s(b, a) for b, a in zip(before, after))
+        result.cpu_s = sum(cpu_used_s(b, a) for b, a in zip(before, after))
+        result.serving_cpu_s = sum(cpu_used_s(b, a, serving_only=True) for b, a in zip(before, after))
         merged_before = {k: v for b in before for k, v in b.items()}
         result.cpu_breakdown = cpu_by_process(merged_before, {k: v for a in after for k, v in a.items()})
         if after_each is not None:
@@ -153,6 +158,46 @@ def run_loads(
         )
         results.append(result)
     return results
+
+
+@contextlib.contextmanager
+def profiled(ns: argparse.Namespace, server_pids: list[int], load: str):
+    """With `--profile DIR`: py-spy samples every Python process of the servers' trees (50 Hz) while the load runs;
+    a summary per process (bench/pyspy.py) is printed and written beside the raw samples."""
+    if not getattr(ns, "profile", None):
+        yield
+        return
+    from bench.pyspy import record
+
+    where = Path(ns.profile) / f"{getattr(ns, 'peer', 'server')}-{load}"
+    with record([pid for root in server_pids for pid in python_tree(root)], where):
+        yield
+
+
+# the processes a request's work runs in (a py-spy per idle Ray daemon took more CPU than the load on 2 cores)
+PROFILED_ROLES = ("ray::ServeReplica", "ray::HAProxyManager", "VLLM::", "python vllm.entrypoints")
+
+
+def python_tree(root_pid: int) -> list[int]:
+    """The processes of `root_pid`'s tree that serve requests (PROFILED_ROLES: the replica, vLLM's server, the
+    engine's), for py-spy."""
+    import psutil
+
+    from bench.loadgen import _process_label
+
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for proc in procs:
+        try:
+            if _process_label(proc).startswith(PROFILED_ROLES):
+                out.append(proc.pid)
+        except psutil.Error:
+            pass
+    return out
 
 
 def bench_vllm(
@@ -390,6 +435,12 @@ def main() -> None:
         help="vLLM, Summit, and Summit with its engine's queue readers spinning 0.1 s (SUMMIT_ENGINE_SPIN_S=0.1) "
         "instead of vLLM's 1 s",
     )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="py-spy (50 Hz) on every Python process of each peer during each load: raw samples and a summary per "
+        "process in DIR (bench/pyspy.py)",
+    )
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     if ns.coalesce_ms is None:
@@ -435,6 +486,7 @@ def main() -> None:
             suffix = "" if (tp, replicas) == (1, 1) else f" tp{tp}x{replicas}"
             for name, fn in peers.items():
                 if name in wanted and ns.only in (None, name):
+                    ns.peer = f"{name}{suffix.replace(' ', '-')}-r{round_no + 1}"
                     rounds.setdefault(name + suffix, []).append(fn(ns, model_dir, tp, replicas))
                     print(
                         f"round {round_no + 1} {name + suffix}: ready in {rounds[name + suffix][-1][0]:.1f} s "
@@ -446,13 +498,15 @@ def main() -> None:
     results = {name: median_round(runs) for name, runs in rounds.items()}
 
     print(
-        f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}{'CPU s/1k tok':>14}"
+        f"\n{'peer':<22}{'conc':>6}{'tok/s':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'errors':>8}"
+        f"{'serving CPU s/1k tok':>22}{'all CPU s/1k tok':>18}"
     )
     for name, (_, rows) in results.items():
         for r in rows:
             print(
                 f"{name:<22}{r.concurrency:>6}{r.tok_per_s:>10.1f}{r.ttft_pct(50) * 1e3:>13.1f}"
-                f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}{r.cpu_per_1k_tok() or float('nan'):>14.2f}"
+                f"{r.ttft_pct(99) * 1e3:>13.1f}{r.errors:>8}{r.serving_cpu_per_1k_tok() or float('nan'):>22.2f}"
+                f"{r.cpu_per_1k_tok() or float('nan'):>18.2f}"
             )
     for name in results:
         base = "vllm" + name[len(name.split(" ")[0]) :]  # the vLLM run of the same layout
@@ -460,7 +514,8 @@ def main() -> None:
             for v, s in zip(results[base][1], results[name][1]):
                 print(
                     f"ratio {name}/{base} at c={v.concurrency}: tok/s {s.tok_per_s / v.tok_per_s:.2f}x, "
-                    f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x"
+                    f"TTFT p50 {s.ttft_pct(50) / v.ttft_pct(50):.2f}x, serving CPU s/1k tok "
+                    f"{(s.serving_cpu_per_1k_tok() or 0) / (v.serving_cpu_per_1k_tok() or float('nan')):.2f}x"
                 )
     off, on = results.get("summit-monitoring-off"), results.get("summit-monitoring-on")
     if off and on:
