@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from deployments.engine.args import openai_entrypoints
-from deployments.engine.platform import FORK_WORKERS_ENV
+from deployments.engine.platform import CPU_SPIN_SLEEP_US, FORK_WORKERS_ENV, SPIN_SLEEP_ENV
 
 
 @dataclass
@@ -34,6 +34,7 @@ async def start_engine_app(args: Namespace, metrics: bool = True) -> EngineApp:
     _use_replica_placement_group(vllm_config)
     _own_kv_side_channel(vllm_config)
     _fork_workers_in_the_core(vllm_config)
+    _cpu_spinners_sleep()
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
@@ -84,6 +85,16 @@ def _fork_workers_in_the_core(vllm_config) -> None:
     instead of spawning them, unless the YAML's runtime_env sets SUMMIT_ENGINE_CORE_FORKS_WORKERS to 0."""
     if vllm_config.parallel_config.distributed_executor_backend == "mp" and os.environ.get(FORK_WORKERS_ENV) != "0":
         os.environ[FORK_WORKERS_ENV] = "1"
+
+
+def _cpu_spinners_sleep() -> None:
+    """On a CPU engine, vLLM's queue spinners sleep CPU_SPIN_SLEEP_US between polls instead of yielding
+    (deployments/engine/platform.py: shm_spinners_sleep), unless the YAML's runtime_env sets SUMMIT_ENGINE_SPIN_SLEEP_US
+    (0: vLLM's own `sched_yield`)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault(SPIN_SLEEP_ENV, str(CPU_SPIN_SLEEP_US))
 
 
 def _use_replica_placement_group(vllm_config) -> None:

@@ -1,5 +1,6 @@
 """Summit's vLLM plugins: the engine core forks its workers (every engine), its queue readers spin briefly (where
-asked), and vLLM's CPU platform with Ray's executor (test clusters only).
+asked) and sleep between polls instead of yielding (CPU engines), and vLLM's CPU platform with Ray's executor (test
+clusters only).
 
 `engine_core_forks_workers` (the `vllm.general_plugins` entry point, pyproject.toml): a Summit replica is a Ray actor,
 so vLLM must spawn its engine core from it, and writes `VLLM_WORKER_MULTIPROC_METHOD=spawn` into the environment the
@@ -18,6 +19,16 @@ Where SPIN_ENV is set (the app's runtime_env.env_vars; Summit's test clusters se
 its workers spin that long instead. Not by default: under load a CPU step often outlasts a short spin, and the reader
 then waits for a notification before each step: the tiny model at 16 streams on 2 cores served 411-542 tok/s with
 0.1 s against 793-1,011 with vLLM's 1 s (bench/results/cpu-engine-spin-2026-11-27.md).
+
+`shm_spinners_sleep` (a `vllm.general_plugins` entry point too): while they spin, vLLM's queue readers (and a writer
+waiting for its readers) call `sched_yield` in a loop. On a CPU engine the core and its worker then hold both cores of
+a small machine between steps, and every other process there (the replica's front, HAProxy, a client on the same box)
+waits for a CPU: measured on 2 cores at 16 streams, the benchmark's client thread waited 9.6 of a 10-s load for a CPU
+while it ran 0.3 s, requests reached the engine late, its batches shrank and its CPU per token doubled. Where
+SPIN_SLEEP_ENV is set (deployments/engine/app.py sets CPU_SPIN_SLEEP_US for every CPU engine unless the YAML's
+runtime_env sets it; 0: vLLM's own yield), the spinners sleep that many microseconds between polls instead: the same
+load ran 1,953-2,093 tok/s at TTFT p50 107-127 ms instead of 594-1,394 tok/s at 142-860 ms
+(bench/results/cpu-serving-2026-11-27.md).
 
 `cpu_ray_platform`:
 
@@ -43,6 +54,9 @@ FORK_WORKERS_ENV = "SUMMIT_ENGINE_CORE_FORKS_WORKERS"
 # environment (/proc/PID/environ), a forked one cannot (tests/engine_checks.py: assert_workers_forked_by_the_core)
 FORKING_CORE_ENV = "SUMMIT_FORKING_ENGINE_CORE"
 SPIN_ENV = "SUMMIT_ENGINE_SPIN_S"
+SPIN_SLEEP_ENV = "SUMMIT_ENGINE_SPIN_SLEEP_US"
+# what a CPU engine's spinners sleep between polls unless the YAML says (deployments/engine/app.py)
+CPU_SPIN_SLEEP_US = 50
 
 
 def engine_core_forks_workers() -> None:
@@ -85,6 +99,34 @@ def shm_readers_spin_briefly() -> None:
 
     __init__.__summit_spin__ = float(seconds)
     SpinCondition.__init__ = __init__
+
+
+def shm_spinners_sleep() -> None:
+    """Entry point of the `vllm.general_plugins` group: in an engine core and its workers, vLLM's shared-memory queue
+    spinners (a reader waiting for the next message, a writer waiting for its readers) sleep SPIN_SLEEP_ENV
+    microseconds between polls instead of calling `sched_yield`. Not in the replica, nor where the variable is unset
+    or 0."""
+    import multiprocessing
+    import time
+
+    micros = os.environ.get(SPIN_SLEEP_ENV)
+    if not micros or float(micros) <= 0 or multiprocessing.current_process().name == "MainProcess":
+        return
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:
+        return
+    if getattr(shm_broadcast.sched_yield, "__summit_sleep__", None) is not None or not hasattr(
+        shm_broadcast, "sched_yield"
+    ):
+        return
+    seconds = float(micros) / 1e6
+
+    def sleep_briefly() -> None:
+        time.sleep(seconds)
+
+    sleep_briefly.__summit_sleep__ = seconds
+    shm_broadcast.sched_yield = sleep_briefly
 
 
 def cpu_ray_platform() -> str | None:

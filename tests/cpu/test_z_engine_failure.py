@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from deployments.engine.platform import SPIN_ENV
+from deployments.engine.platform import SPIN_ENV, SPIN_SLEEP_ENV
 from tests.cpu.conftest import MODEL
 from tests.cpu.engine_apps import wait_for
 from tests.engine_checks import (
@@ -35,6 +35,31 @@ def test_an_idle_engines_worker_sleeps_where_its_spin_is_short(client, engine_st
         shares.append(runnable_share(workers))
     print("worker runnable share 0.4-0.8 s after an answer:", shares)
     assert min(shares) < 0.5, shares
+
+
+def _voluntary_switches(proc) -> int:
+    """How often the process's main thread gave up its CPU to wait (a sleep, a blocking read): `sched_yield` is not
+    one."""
+    for line in open(f"/proc/{proc.pid}/task/{proc.pid}/status"):
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches for {proc.pid}")
+
+
+def test_a_cpu_engines_worker_sleeps_between_polls_while_it_generates(client, engine_stats):
+    """A CPU engine's spinners sleep between polls of vLLM's queue instead of yielding (deployments/engine/platform.py:
+    shm_spinners_sleep, on by default for CPU engines): while the worker generates 64 tokens it waits for each next
+    step, and each of those waits is a sleep, a voluntary switch. A worker that yields (vLLM's own, or
+    SUMMIT_ENGINE_SPIN_SLEEP_US=0) makes none while it spins: its whole life of yields counted 16 once (measured)."""
+    assert SPIN_SLEEP_ENV not in os.environ  # the shipped default, not a test setting
+    workers = mp_workers({"pid": engine_stats()["pid"]})
+    assert workers
+    before = [_voluntary_switches(w) for w in workers]
+    answer = client.completions.create(model=MODEL, prompt="The ridge", max_tokens=64, extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 64
+    slept = [_voluntary_switches(w) - b for w, b in zip(workers, before)]
+    print("worker voluntary switches during 64 tokens:", slept)
+    assert min(slept) >= 32, slept
 
 
 def test_killed_engine_is_replaced(summit, engine_stats):

@@ -93,3 +93,38 @@ print(spin("EngineCore", None), spin("MainProcess", "0.1"), spin("VllmWorker-0",
     assert run.returncode == 0, run.stderr[-2000:]
     # the last: a second call keeps the first's patch (vLLM may call its plugins again)
     assert [float(x) for x in run.stdout.split()[-4:]] == [1.0, 1.0, 0.25, 0.25]
+
+
+def test_queue_spinners_sleep_instead_of_yielding_only_in_engine_processes_that_ask():
+    """vLLM's general plugin: in an engine core or worker with SPIN_SLEEP_ENV set, vLLM's shm queue module polls with a
+    sleep of that many microseconds instead of `sched_yield`; not in the replica's main process, not unset, not 0.
+    One fresh interpreter per case (the plugin patches vLLM's module for its process)."""
+    from deployments.engine import platform
+
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "summit_shm_spinners_sleep"]
+    assert plugin.load() is platform.shm_spinners_sleep
+
+    def poll_in(name: str, micros: str | None) -> str:
+        code = f"""
+import multiprocessing, os, time
+multiprocessing.current_process().name = {name!r}
+if {micros!r} is not None:
+    os.environ["{platform.SPIN_SLEEP_ENV}"] = {micros!r}
+from deployments.engine.platform import shm_spinners_sleep
+from vllm.distributed.device_communicators import shm_broadcast
+shm_spinners_sleep()
+shm_spinners_sleep()  # vLLM may load its plugins twice in a process
+slept = []
+time.sleep = slept.append  # what a poll asks of the OS (os.sched_yield is left alone)
+shm_broadcast.sched_yield()
+print(getattr(shm_broadcast.sched_yield, "__summit_sleep__", "yield"), slept)
+"""
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout.strip().splitlines()[-1]
+
+    assert poll_in("EngineCore_DP0", "500") == "0.0005 [0.0005]"  # a poll sleeps 500 us
+    assert poll_in("VllmWorker-0", "50") == "5e-05 [5e-05]"
+    assert poll_in("MainProcess", "50") == "yield []"  # the replica reads no such queue
+    assert poll_in("EngineCore_DP0", None) == "yield []"
+    assert poll_in("EngineCore_DP0", "0") == "yield []"  # the YAML's way back to vLLM's own
