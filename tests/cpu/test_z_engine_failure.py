@@ -10,8 +10,9 @@ import os
 import time
 
 from deployments.engine.platform import SPIN_ENV, SPIN_SLEEP_ENV
+from tests.conftest import TEST_CLUSTER_ENV
 from tests.cpu.conftest import MODEL
-from tests.cpu.engine_apps import wait_for
+from tests.cpu.engine_apps import REPO, wait_for
 from tests.engine_checks import (
     assert_workers_forked_by_the_core,
     kill_engine_and_wait_for_answers,
@@ -51,7 +52,8 @@ def test_a_cpu_engines_worker_sleeps_between_polls_while_it_generates(client, en
     shm_spinners_sleep, on by default for CPU engines): while the worker generates 64 tokens it waits for each next
     step, and each of those waits is a sleep, a voluntary switch. A worker that yields (vLLM's own, or
     SUMMIT_ENGINE_SPIN_SLEEP_US=0) makes none while it spins: its whole life of yields counted 16 once (measured)."""
-    assert SPIN_SLEEP_ENV not in os.environ  # the shipped default, not a test setting
+    shipped = (REPO / "serve_configs/tiny-cpu.yaml").read_text()
+    assert SPIN_SLEEP_ENV not in shipped and SPIN_SLEEP_ENV not in TEST_CLUSTER_ENV  # the default, not a setting
     workers = mp_workers({"pid": engine_stats()["pid"]})
     assert workers
     before = [_voluntary_switches(w) for w in workers]

@@ -108,6 +108,7 @@ def test_queue_spinners_sleep_instead_of_yielding_only_in_engine_processes_that_
         code = f"""
 import multiprocessing, os, time
 multiprocessing.current_process().name = {name!r}
+os.environ.pop("{platform.SPIN_SLEEP_ENV}", None)  # an in-process engine of the test's own worker may have set it
 if {micros!r} is not None:
     os.environ["{platform.SPIN_SLEEP_ENV}"] = {micros!r}
 from deployments.engine.platform import shm_spinners_sleep
