@@ -93,8 +93,19 @@ def _cpu_spinners_sleep() -> None:
     (0: vLLM's own `sched_yield`)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        os.environ.setdefault(SPIN_SLEEP_ENV, str(CPU_SPIN_SLEEP_US))
+    given = os.environ.get(SPIN_SLEEP_ENV)
+    if given is not None:
+        try:
+            ok = float(given) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"runtime_env.env_vars.{SPIN_SLEEP_ENV}={given!r}: microseconds a CPU engine's queue spinners sleep "
+                f'between polls; set a number such as "{CPU_SPIN_SLEEP_US}", or "0" for vLLM\'s own sched_yield'
+            )
+    elif current_platform.is_cpu():
+        os.environ[SPIN_SLEEP_ENV] = str(CPU_SPIN_SLEEP_US)
 
 
 def _use_replica_placement_group(vllm_config) -> None:

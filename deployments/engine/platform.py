@@ -23,8 +23,8 @@ then waits for a notification before each step: the tiny model at 16 streams on 
 `shm_spinners_sleep` (a `vllm.general_plugins` entry point too): while they spin, vLLM's queue readers (and a writer
 waiting for its readers) call `sched_yield` in a loop. On a CPU engine the core and its worker then hold both cores of
 a small machine between steps, and every other process there (the replica's front, HAProxy, a client on the same box)
-waits for a CPU: measured on 2 cores at 16 streams, the benchmark's client thread waited 9.6 of a 10-s load for a CPU
-while it ran 0.3 s, requests reached the engine late, its batches shrank and its CPU per token doubled. Where
+waits for a CPU: measured on 2 cores at 16 streams, the benchmark's client thread waited 9.6 s of a 10.4-s load for a
+CPU while it ran 0.3 s, requests reached the engine late, its batches shrank and its CPU per token doubled. Where
 SPIN_SLEEP_ENV is set (deployments/engine/app.py sets CPU_SPIN_SLEEP_US for every CPU engine unless the YAML's
 runtime_env sets it; 0: vLLM's own yield), the spinners sleep that many microseconds between polls instead: the same
 load ran 1,953-2,093 tok/s at TTFT p50 107-127 ms instead of 594-1,394 tok/s at 142-860 ms
@@ -109,18 +109,19 @@ def shm_spinners_sleep() -> None:
     import multiprocessing
     import time
 
-    micros = os.environ.get(SPIN_SLEEP_ENV)
-    if not micros or float(micros) <= 0 or multiprocessing.current_process().name == "MainProcess":
+    try:
+        seconds = float(os.environ.get(SPIN_SLEEP_ENV) or 0) / 1e6
+    except ValueError:  # the replica refused it before starting its engine (deployments/engine/app.py)
+        return
+    if seconds <= 0 or multiprocessing.current_process().name == "MainProcess":
         return
     try:
         from vllm.distributed.device_communicators import shm_broadcast
     except ImportError:
         return
-    if getattr(shm_broadcast.sched_yield, "__summit_sleep__", None) is not None or not hasattr(
-        shm_broadcast, "sched_yield"
-    ):
+    current = getattr(shm_broadcast, "sched_yield", None)
+    if current is None or getattr(current, "__summit_sleep__", None) is not None:
         return
-    seconds = float(micros) / 1e6
 
     def sleep_briefly() -> None:
         time.sleep(seconds)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
+
 from deployments import engine as vllm_adapter
 
 
@@ -129,3 +131,18 @@ print(getattr(shm_broadcast.sched_yield, "__summit_sleep__", "yield"), slept)
     assert poll_in("MainProcess", "50") == "yield []"  # the replica reads no such queue
     assert poll_in("EngineCore_DP0", None) == "yield []"
     assert poll_in("EngineCore_DP0", "0") == "yield []"  # the YAML's way back to vLLM's own
+
+
+def test_a_spin_sleep_that_is_no_number_is_refused_naming_the_key(monkeypatch):
+    """The replica refuses SUMMIT_ENGINE_SPIN_SLEEP_US that is no number of microseconds before its engine starts
+    (a plugin in the engine core could only ignore it); a given number is kept as given."""
+    from deployments.engine import platform
+    from deployments.engine.app import _cpu_spinners_sleep
+
+    for bad in ("fast", "-5"):
+        monkeypatch.setenv(platform.SPIN_SLEEP_ENV, bad)
+        with pytest.raises(ValueError, match=f"runtime_env.env_vars.{platform.SPIN_SLEEP_ENV}="):
+            _cpu_spinners_sleep()
+    monkeypatch.setenv(platform.SPIN_SLEEP_ENV, "0")
+    _cpu_spinners_sleep()
+    assert os.environ[platform.SPIN_SLEEP_ENV] == "0"
