@@ -162,15 +162,15 @@ def run_loads(
 
 @contextlib.contextmanager
 def profiled(ns: argparse.Namespace, server_pids: list[int], load: str):
-    """With `--profile DIR`: py-spy samples every Python process of the servers' trees (50 Hz) while the load runs;
-    a summary per process (bench/pyspy.py) is printed and written beside the raw samples."""
+    """With `--profile DIR`: py-spy samples the serving and engine processes of the servers' trees (PROFILED_ROLES,
+    50 Hz) while the load runs; a summary per process (bench/pyspy.py) is printed and written beside the raw samples."""
     if not getattr(ns, "profile", None):
         yield
         return
     from bench.pyspy import record
 
     where = Path(ns.profile) / f"{getattr(ns, 'peer', 'server')}-{load}"
-    with record([pid for root in server_pids for pid in python_tree(root)], where):
+    with record([pid for root in server_pids for pid in serving_processes(root)], where):
         yield
 
 
@@ -178,7 +178,7 @@ def profiled(ns: argparse.Namespace, server_pids: list[int], load: str):
 PROFILED_ROLES = ("ray::ServeReplica", "ray::HAProxyManager", "VLLM::", "python vllm.entrypoints")
 
 
-def python_tree(root_pid: int) -> list[int]:
+def serving_processes(root_pid: int) -> list[int]:
     """The processes of `root_pid`'s tree that serve requests (PROFILED_ROLES: the replica, vLLM's server, the
     engine's), for py-spy."""
     import psutil
@@ -438,8 +438,8 @@ def main() -> None:
     p.add_argument(
         "--profile",
         metavar="DIR",
-        help="py-spy (50 Hz) on every Python process of each peer during each load: raw samples and a summary per "
-        "process in DIR (bench/pyspy.py)",
+        help="py-spy (50 Hz) on the replica, vLLM's server and the engine processes of each peer during each load: "
+        "raw samples and a summary per process in DIR (bench/pyspy.py)",
     )
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
