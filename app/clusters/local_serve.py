@@ -136,18 +136,54 @@ def in_flight(port: int, started: float) -> tuple[int, str]:
     return busy + soft_stopping_connections(sock, port), "request(s) in flight"
 
 
+# Ray's own start gives its node 30 s to register with the GCS (ray/_private/node.py): on a loaded machine it may not
+_RAY_NODE_TIMED_OUT = b"The current node timed out during startup"
+
+
 def serve_local(config: str, timeout_s: float = 1800) -> int:
     url = base_url(config)
     port = urlparse(url).port or 8000
     started = time.time()
-    server = subprocess.Popen(["serve", "run", "-a", "local", config], start_new_session=True)
-    known: dict[int, psutil.Process] = {}  # the server's processes seen so far (Ray's daemons outlive their parent)
     interrupts: list[float] = []
     signal.signal(signal.SIGINT, lambda *_: interrupts.append(time.monotonic()))
     signal.signal(signal.SIGTERM, lambda *_: interrupts.append(time.monotonic()))
+    for attempt in (1, 2):
+        server, ray_timed_out = _serve_run(config)
+        known: dict[int, psutil.Process] = {}  # the server's processes seen so far (Ray's daemons outlive their parent)
+        stopping = lambda s=server: bool(interrupts) or s.poll() is not None  # noqa: E731
+        threading.Thread(target=wait_and_say, args=(url, timeout_s, server.pid, stopping), daemon=True).start()
+        _run_until_stopped(server, known, interrupts, port, started)
+        known.update({p.pid: p for p in process_tree(server.pid)})
+        _stop([p for p in known.values() if p.is_running()])
+        if attempt == 1 and not interrupts and server.returncode and ray_timed_out.wait(2):
+            print("summit: Ray's node did not register in time (a busy machine?); starting again", file=sys.stderr)
+            continue
+        break
+    return 0 if interrupts else (server.returncode or 0)
 
-    stopping = lambda: bool(interrupts) or server.poll() is not None  # noqa: E731
-    threading.Thread(target=wait_and_say, args=(url, timeout_s, server.pid, stopping), daemon=True).start()
+
+def _serve_run(config: str) -> tuple[subprocess.Popen, threading.Event]:
+    """`serve run` of the YAML on a fresh local Ray instance, its stderr passed on; the event: Ray's node timed out."""
+    server = subprocess.Popen(["serve", "run", "-a", "local", config], start_new_session=True, stderr=subprocess.PIPE)
+    timed_out = threading.Event()
+
+    def pass_on() -> None:
+        out = getattr(sys.stderr, "buffer", None)
+        for line in server.stderr:
+            if _RAY_NODE_TIMED_OUT in line:
+                timed_out.set()
+            if out is not None:
+                out.write(line)
+                out.flush()
+
+    threading.Thread(target=pass_on, daemon=True).start()
+    return server, timed_out
+
+
+def _run_until_stopped(
+    server: subprocess.Popen, known: dict[int, psutil.Process], interrupts: list[float], port: int, started: float
+) -> None:
+    """Until the server exits, or Ctrl-C: at once with no request in flight, else once they ended (or Ctrl-C again)."""
     draining, looked = False, 0.0
     while server.poll() is None:
         if time.monotonic() - looked > 2:
@@ -157,7 +193,7 @@ def serve_local(config: str, timeout_s: float = 1800) -> int:
             busy, what = in_flight(port, started)
             if busy == 0:
                 print("summit: stopping (no request in flight)", file=sys.stderr, flush=True)
-                break
+                return
             print(
                 f"summit: draining: stopping once {busy} {what} end; Ctrl-C again stops now",
                 file=sys.stderr,
@@ -166,11 +202,8 @@ def serve_local(config: str, timeout_s: float = 1800) -> int:
             draining = True
         elif draining and len(interrupts) > 1:
             print("summit: stopping now", file=sys.stderr, flush=True)
-            break
+            return
         elif draining and in_flight(port, started)[0] == 0:
             print("summit: drained; stopping", file=sys.stderr, flush=True)
-            break
+            return
         time.sleep(0.2)
-    known.update({p.pid: p for p in process_tree(server.pid)})
-    _stop([p for p in known.values() if p.is_running()])
-    return 0 if interrupts else (server.returncode or 0)

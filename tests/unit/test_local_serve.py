@@ -5,6 +5,7 @@ Serve's HAProxy has."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -70,3 +71,46 @@ def test_only_the_replaced_haproxys_connections_count(tmp_path):
         for p in (old, new):
             p.kill()
             p.wait()
+
+
+FAKE_SERVE = """#!/bin/sh
+# a fake `serve`: each call appends a line; the first says what Ray says when its node did not register in time
+echo call >> "$CALLS"
+if [ "$(wc -l < "$CALLS")" -eq 1 ] && [ -n "$RAY_TIMES_OUT" ]; then
+  echo "Exception: The current node timed out during startup. This could happen because ..." >&2
+  exit 1
+fi
+echo "some other failure" >&2
+exit 3
+"""
+
+
+def _serve_local_with_fake(tmp_path, monkeypatch, times_out: bool) -> tuple[int, int]:
+    import signal
+
+    from app.clusters import local_serve
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "serve").write_text(FAKE_SERVE)
+    (bin_dir / "serve").chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("CALLS", str(calls))
+    monkeypatch.setenv("RAY_TIMES_OUT", "1" if times_out else "")
+    config = tmp_path / "c.yaml"
+    config.write_text("http_options: {host: 127.0.0.1, port: 1}\napplications: []\n")
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        code = local_serve.serve_local(str(config), timeout_s=5)
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    return code, len(calls.read_text().splitlines())
+
+
+def test_serve_starts_again_once_when_rays_node_did_not_register_in_time(tmp_path, monkeypatch):
+    """Ray gives its node 30 s to register; on a loaded machine `serve run` then fails at start. `summit serve`
+    starts it again, once, for that failure only."""
+    assert _serve_local_with_fake(tmp_path / "a", monkeypatch, times_out=True) == (3, 2)
+    assert _serve_local_with_fake(tmp_path / "b", monkeypatch, times_out=False) == (3, 1)
