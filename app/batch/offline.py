@@ -179,7 +179,7 @@ def _run_on_serve(args: dict, config, todo: list[Line], out: Path, err: Path, co
 async def _run_lines(
     todo: list[Line], handles: dict, out: Path, err: Path, concurrency: int, progress: Progress
 ) -> dict[str, Any]:
-    from deployments.batch.runner import send_line
+    from deployments.batch.runner import send_group
 
     counts = {"ran": 0, "completed": 0, "failed": 0, "output_tokens": 0}
     start = time.monotonic()
@@ -195,7 +195,7 @@ async def _run_lines(
             progress.update(tokens)
 
         try:
-            await run_lines(todo, lambda line: send_line(handles[line.model], line), done, concurrency)
+            await run_lines(todo, lambda group: send_group(handles[group[0].model], group), done, concurrency)
         finally:
             progress.close()
             for f in (out_f, err_f):

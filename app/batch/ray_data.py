@@ -60,10 +60,17 @@ class EngineWorker:
         return list(await asyncio.gather(*(self._one(line) for line in lines)))
 
     async def _one(self, line: Line) -> tuple[str, bool, dict, int]:
+        """vLLM's serving objects in this process (as a Serve replica runs a batch line: server/batch_lines.py);
+        vLLM's HTTP app where they do not answer with a 200 (its answer is then exactly the online one)."""
+        from deployments import engine
         from deployments.http.asgi import stream_asgi
         from deployments.http.protocol import HTTPRequest, ResponseStart
 
         request_id = f"batch-{uuid.uuid4().hex}"
+        answer = await engine.answer_in_process(self._engine_app.app, line.url, line.body)
+        if answer is not None:
+            tokens = (answer.get("usage") or {}).get("completion_tokens", 0)
+            return line.custom_id, True, result_line(line, 200, answer, request_id), tokens
         request = HTTPRequest(
             "POST",
             line.url,

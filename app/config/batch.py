@@ -27,6 +27,19 @@ class BatchOptions(BaseModel):
         description="Batch lines in flight at once (per application). Without priority scheduling this is the "
         "share of the engines batch work may take from online traffic.",
     )
+    group_size: int = Field(
+        16,
+        ge=1,
+        description="Batch lines handed to an engine replica per call (each line still runs as its own engine "
+        "request, through vLLM's serving objects in the replica's process).",
+    )
+    online_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="While online requests run on a replica (and for 2 s after the last), batch lines may hold at most "
+        "this fraction of its engine's sequences (max_num_seqs; at least one line); otherwise up to max_concurrency.",
+    )
     priority: int = Field(
         10,
         ge=1,

@@ -17,6 +17,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from ray import serve
 
@@ -25,7 +26,7 @@ from deployments.batch.core import Answer, Unavailable, run_lines
 from deployments.batch.lines import Line, parse_lines, unrun_line
 from deployments.http.errors import OpenAIError
 from deployments.http.protocol import HTTPRequest
-from deployments.http.relay import first_response, rest_of_body
+from deployments.http.relay import replica_failures
 from deployments.observability import metrics
 
 logger = logging.getLogger("ray.serve")
@@ -170,7 +171,9 @@ class BatchRunner:
 
         watcher = asyncio.create_task(watch())
         try:
-            await run_lines(lines, self._send, done, self.options.max_concurrency, stopped=lambda: bool(stop))
+            await run_lines(
+                lines, self._send_group, done, self.options.max_concurrency, self.options.group_size, lambda: bool(stop)
+            )
         finally:
             flushed.set()
             watcher.cancel()
@@ -179,34 +182,29 @@ class BatchRunner:
             await flush()
         return stop[0] if stop else None
 
-    async def _send(self, line: Line) -> Answer:
-        handle = self._handle(self._engines[line.model])
-        return await send_line(handle, line, self.options.priority if line.model in self._priority else None)
+    def _send_group(self, lines: list[Line]):
+        model = lines[0].model
+        priority = self.options.priority if model in self._priority else None
+        return send_group(self._handle(self._engines[model]), lines, priority, self.options.online_share)
 
 
-async def send_line(handle, line: Line, priority: int | None = None) -> Answer:
-    """One batch line through an engine deployment's `handle_http` (the front and vLLM's OpenAI layer, as online);
-    Unavailable when no replica could take it now."""
-    body = dict(line.body)
-    if priority is not None:
-        body.setdefault("priority", priority)
-    request_id = f"batch-{uuid.uuid4().hex}"
-    request = HTTPRequest(
-        "POST",
-        line.url,
-        json.dumps(body).encode(),
-        b"",
-        [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())],
-        model=line.model,
-    )
+async def send_group(
+    handle, lines: list[Line], priority: int | None = None, busy_share: float | None = None
+) -> AsyncIterator[tuple[Line, Answer]]:
+    """A group of one model's batch lines through one of its engine replicas (`run_lines`: vLLM's serving objects
+    in the replica's process, server/batch_lines.py); each line's answer as it finishes. Unavailable when the replica
+    could not take or finish the group (the lines not answered are retried)."""
+    payload = []
+    for line in lines:
+        body = dict(line.body)
+        if priority is not None:
+            body.setdefault("priority", priority)
+        payload.append({"url": line.url, "body": body, "request_id": f"batch-{uuid.uuid4().hex}"})
+    first = lines[0]
+    route = HTTPRequest("POST", first.url, json.dumps(first.body).encode(), b"", [], model=first.model)
     try:
-        stream = handle.options(stream=True).handle_http.remote(request)
-        start = await first_response(stream)
-        payload = await rest_of_body(stream)
-    except OpenAIError as e:  # no replica could take it (dead, restarting, overloaded): the core retries it
+        with replica_failures():
+            async for answer in handle.options(stream=True).run_lines.remote(route, payload, busy_share):
+                yield lines[answer.index], Answer(answer.status, answer.body, payload[answer.index]["request_id"])
+    except OpenAIError as e:  # no replica could take it (dead, restarting, overloaded): the core retries the rest
         raise Unavailable(str(e)) from None
-    try:
-        parsed = json.loads(payload) if payload else None
-    except ValueError:
-        parsed = {"error": {"message": payload.decode(errors="replace")[:2000], "code": start.status}}
-    return Answer(start.status, parsed, request_id)

@@ -12,6 +12,7 @@ modules. Each module imports vLLM inside its functions, so importing the package
   detokenizer  vLLM's incremental detokenizer brought to a cut stream (stream migration)
   lora         loading and unloading LoRA adapters in a running engine
   platform     the `vllm.platform_plugins` entry point: vLLM's CPU platform on Ray's executor (test clusters)
+  serving      one request through vLLM's serving objects in this process, without HTTP (batch lines)
 """
 
 # vLLM's default batch size: the schema holds it (the schema imports no engine)
@@ -47,6 +48,7 @@ from deployments.engine.metrics import (
     kv_cache_usage,
 )
 from deployments.engine.platform import CPU_RAY_PLATFORM_ENV, cpu_ray_platform
+from deployments.engine.serving import answer_in_process
 from deployments.engine.state import (
     check_engine_health,
     engine_is_dead,
@@ -79,6 +81,7 @@ __all__ = [
     "kv_connector_names",
     "kv_transfer_config",
     "adapters_in_engine",
+    "answer_in_process",
     "load_adapter",
     "logger",
     "num_unfinished_requests",

@@ -24,6 +24,8 @@ ARRIVAL_HEADER = b"x-summit-arrival"
 PATH_HEADER = b"x-summit-request-path"
 # Set in the ASGI scope of a request that came through a Serve handle, not from a client (let in where it entered).
 INTERNAL_SCOPE_KEY = "summit.internal"
+# Set (with it) in the ASGI scope of a batch line: it is not online traffic (deployments/batch/share.py).
+BATCH_LINE_SCOPE_KEY = "summit.batch_line"
 # The Batch API's routes (/v1/files..., /v1/batches...): served by the BatchAPI deployment.
 BATCH_PREFIXES = ("/v1/files", "/v1/batches")
 # What never goes on to an engine or another deployment: the API key stops at the entry; hop headers are each hop's.

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.batch.share import BatchShare
 from deployments.http.asgi import read_body, send_json, send_plain
 from deployments.http.errors import OpenAIError
 from deployments.http.openapi import build as build_openapi
-from deployments.http.protocol import BATCH_PREFIXES, REPLICA_HEADER
+from deployments.http.protocol import BATCH_LINE_SCOPE_KEY, BATCH_PREFIXES, REPLICA_HEADER
 from deployments.lora.adapters import AdapterLoadError
 from deployments.lora.runtime import MAX_BODY_BYTES, RUNTIME_LORA_ROUTES, RuntimeAdapters
 from deployments.observability.metrics import ReplicaMetrics
@@ -68,6 +69,7 @@ class FrontOptions:
     runtime_lora: RuntimeAdapters | None = None  # adapters loaded at run time (lora.runtime_loading)
     metrics: ReplicaMetrics | None = None  # serving metrics (monitoring.metrics)
     tracing: Tracing | None = None  # traces (monitoring.tracing)
+    batch_share: BatchShare | None = None  # told of online requests: batch lines make room for them
 
 
 class ReplicaFront(Entry):
@@ -114,6 +116,10 @@ class ReplicaFront(Entry):
         if not self.table.serves(ctx.model):  # a body cut at HAProxy's buffer, or a stale route
             await to_model_replica(ctx, ctx.model, self.options.forward, self.table.model)
             return
+        share = self.options.batch_share
+        if share is not None and not ctx.scope.get(BATCH_LINE_SCOPE_KEY):  # online: batch lines make room from now
+            share.online_started()
+            ctx.exits.callback(share.online_ended)
         try:
             await run_steps(self._replica_steps, ctx)
         except OpenAIError as e:  # this replica's refusal (its engine, admission, the prefill pool's answer) names it

@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.config import ModelConfig, expand_env
 from deployments import engine
+from deployments.batch.share import BatchShare
 from deployments.http.asgi import stream_asgi
 from deployments.http.protocol import INTERNAL_SCOPE_KEY, HTTPRequest, ResponseStart
 from deployments.lora.adapters import Adapters
@@ -31,6 +32,7 @@ from deployments.pipeline.auth import load_api_keys
 from deployments.pipeline.prefill import Disaggregated
 from deployments.pipeline.rate_limit import Limits
 from deployments.routing.choose import can_route
+from deployments.server.batch_lines import BatchLines, LineAnswer
 from deployments.server.config import ServerConfig
 from deployments.server.front import EngineSide, FrontOptions, ReplicaFront
 from deployments.server.models import ModelTable
@@ -70,6 +72,13 @@ class LLMServer:
             ),
             table,
             options,
+        )
+        self._batch = BatchLines(
+            self._engine_app,
+            self._front,
+            model.engine_kwargs.get("max_num_seqs") or engine.DEFAULT_MAX_NUM_SEQS,
+            lambda name: name == self.model and options.disaggregated is None,
+            options.batch_share,
         )
         if options.runtime_lora is not None:  # knows the adapters loaded at run time before it takes traffic
             await self._sync_adapters_once()
@@ -125,6 +134,7 @@ class LLMServer:
             chat_parsers=bool(parsers),
             metrics=self._metrics if c.monitoring.metrics else None,
             tracing=self._tracing if self._tracing.enabled else None,
+            batch_share=BatchShare(),
         )
         if c.batch_api is not None:
             options.batch_api = lambda request, h=c.batch_api.options(stream=True): h.handle_http.remote(request)
@@ -197,6 +207,16 @@ class LLMServer:
         # the front coalesces a stream's chunks; the bridge only merges what is already queued behind a slow caller
         async for item in stream_asgi(self._internal_front, request):
             yield item
+
+    async def run_lines(
+        self, route: HTTPRequest, lines: list[dict], busy_share: float | None = None
+    ) -> AsyncIterator[LineAnswer]:
+        """A group of batch lines ([{"url", "body", "request_id"}], one model's) run on this replica's engine; each
+        line's answer as it finishes (server/batch_lines.py). `route`: what the routers read (the lines' model, the
+        first line's body); `busy_share`: the fraction of the engine's sequences batch lines may hold while online
+        requests run on this replica (None: the last one given)."""
+        async for answer in self._batch.run(lines, busy_share):
+            yield answer
 
     async def _internal_front(self, scope, receive, send) -> None:
         """The front for a request that came through a Serve handle: it was let in (API key) where it entered."""

@@ -35,8 +35,9 @@ def summit(tiny_model_dir):
     # shipped YAML.
     model["deployment"].update(health_check_period_s=2, health_check_timeout_s=10)
     model["engine_kwargs"]["max_model_len"] = MAX_MODEL_LEN
-    # small batch limits, so that tests can reach them (its files go to the cluster's temp dir: SUMMIT_BATCH_DIR)
-    config["applications"][0]["args"]["batch"].update(max_file_bytes=1 << 20, max_lines=1000)
+    # small batch limits, so that tests can reach them (its files go to the cluster's temp dir: SUMMIT_BATCH_DIR);
+    # beside online requests one batch line (0.02 of 64 sequences: test_batch.py tells it from max_concurrency 8)
+    config["applications"][0]["args"]["batch"].update(max_file_bytes=1 << 20, max_lines=1000, online_share=0.02)
     _SESSION.append(cluster)
     try:
         cluster.start()

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import signal
+import threading
 import time
 
 import openai
@@ -97,10 +98,17 @@ def test_batch_round_trip_with_logprobs_and_an_engine_error(client):
     assert batch.status == "completed", batch.errors
     out, err = assert_exactly_once(client, batch, lines)
     assert len(err) == 1 and err[0]["custom_id"] == "req-7" and err[0]["response"]["status_code"] == 400
-    assert err[0]["response"]["body"]["error"]["message"]
+    # a line vLLM's request model refuses is answered as online: through the front and vLLM's HTTP app
+    with pytest.raises(openai.BadRequestError) as online_error:
+        client.completions.create(**lines[7]["body"])
+    assert err[0]["response"]["body"]["error"]["message"] == online_error.value.body["message"]
     first = next(x for x in out if x["custom_id"] == "req-0")
     choice = first["response"]["body"]["choices"][0]
     assert first["response"]["status_code"] == 200 and len(choice["logprobs"]["token_logprobs"]) == 8
+    # the good lines ran in the replica's process through vLLM's serving objects: an HTTP round would have given vLLM
+    # the line's request id (x-request-id), which names its answer
+    for x in out:
+        assert x["response"]["request_id"] not in x["response"]["body"]["id"], x
     # the same request online gives the same text at temperature 0
     online = client.completions.create(**lines[0]["body"])
     assert online.choices[0].text == choice["text"]
@@ -168,6 +176,46 @@ def test_bad_input_named_by_line_and_field(client):
     batch = client.batches.create(input_file_id=too_many.id, endpoint="/v1/completions", completion_window="24h")
     batch = wait_status(client, batch.id, {"failed"}, 60)
     assert batch.errors.data[0].code == "too_many_requests"
+
+
+def test_batch_lines_make_room_for_online_requests(client, summit, engine_stats):
+    """While an online request runs on the replica, batch lines hold at most `batch.online_share` of its engine's
+    sequences (the session app: 0.02 of 64, one line); with no online request they take up to max_concurrency (8).
+    The engine is paused, so what the replica let in stays in the engine to be counted."""
+    lines = completion_lines(8, max_tokens=8, prefix="share")
+    online_done = threading.Event()
+
+    def online() -> None:
+        try:
+            client.completions.create(model=MODEL, prompt="An online question", max_tokens=8, temperature=0)
+        finally:
+            online_done.set()
+
+    def held(n: int) -> bool:
+        return engine_stats()["num_unfinished_requests"] == n
+
+    with paused(model_engine_cores(summit, MODEL)):
+        threading.Thread(target=online, daemon=True).start()
+        assert wait_for(lambda: held(1), 60, 0.5), "the online request should reach the engine"
+        beside = client.batches.create(
+            input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
+        )
+        wait_status(client, beside.id, {"in_progress"}, 60)
+        assert wait_for(lambda: held(2), 60, 0.5), "one batch line beside the online request"
+        time.sleep(3)  # the other seven wait in the replica, not in the engine
+        assert held(2), engine_stats()
+    assert online_done.wait(60)
+    beside = wait_status(client, beside.id, {"completed"}, 120)
+    assert_exactly_once(client, beside, lines)
+    time.sleep(2.5)  # past the share's quiet time after the online request
+    alone = completion_lines(8, max_tokens=8, prefix="alone")
+    with paused(model_engine_cores(summit, MODEL)):
+        batch = client.batches.create(
+            input_file_id=upload(client, alone).id, endpoint="/v1/completions", completion_window="24h"
+        )
+        assert wait_for(lambda: held(8), 60, 0.5), f"no online request: all eight in the engine ({engine_stats()})"
+    batch = wait_status(client, batch.id, {"completed"}, 120)
+    assert_exactly_once(client, batch, alone)
 
 
 def test_cancel_keeps_finished_lines(client):

@@ -137,29 +137,37 @@ def test_grouping_runs_shared_prefixes_together():
 
 
 def test_core_bounds_concurrency_retries_busy_answers_and_stops():
-    lines = [Line(i, f"c{i}", URL, {"model": "m", "prompt": f"p{i:02d}"}) for i in range(20)]
-    in_flight, peak, tries, done = 0, 0, {}, []
+    """Lines go in groups of one model (at most group_size); a line answered 429 and the unanswered rest of a group
+    whose call failed run again; every line is done once; at most `concurrency` lines are in flight."""
+    lines = [Line(i, f"c{i}", URL, {"model": "m" if i < 14 else "n", "prompt": f"p{i:02d}"}) for i in range(20)]
+    in_flight, peak, tries, done, groups = 0, 0, {}, [], []
 
-    async def send(line):
+    async def send_group(group):
         nonlocal in_flight, peak
-        in_flight += 1
+        groups.append([line.model for line in group])
+        in_flight += len(group)
         peak = max(peak, in_flight)
-        await asyncio.sleep(0.01)
-        in_flight -= 1
-        tries[line.custom_id] = tries.get(line.custom_id, 0) + 1
-        if line.number == 3 and tries[line.custom_id] == 1:
-            raise Unavailable("replica restarting")
-        if line.number == 4 and tries[line.custom_id] < 3:
-            return Answer(429, {"error": {}}, "r")
-        if line.number == 5:
-            return Answer(400, {"error": {"message": "bad"}}, "r")
-        return Answer(200, {"usage": {"completion_tokens": 2}}, "r")
+        try:
+            for line in group:
+                await asyncio.sleep(0.005)
+                tries[line.custom_id] = tries.get(line.custom_id, 0) + 1
+                if line.number == 3 and tries[line.custom_id] == 1:
+                    raise Unavailable("replica restarting")  # c3 and the rest of its group: unanswered
+                if line.number == 4 and tries[line.custom_id] < 3:
+                    yield line, Answer(429, {"error": {}}, "r")
+                elif line.number == 5:
+                    yield line, Answer(400, {"error": {"message": "bad"}}, "r")
+                else:
+                    yield line, Answer(200, {"usage": {"completion_tokens": 2}}, "r")
+        finally:
+            in_flight -= len(group)
 
     async def on_done(line, ok, result, tokens):
         done.append((line.custom_id, ok, result["response"]["status_code"], tokens))
 
-    n = asyncio.run(run_lines(lines, send, on_done, 4, retry_s=0.001))
-    assert n == 20 and peak == 4
+    n = asyncio.run(run_lines(lines, send_group, on_done, 6, group_size=3, retry_s=0.001))
+    assert n == 20 and peak == 6
+    assert all(len(g) <= 3 and len(set(g)) == 1 for g in groups)  # one model a group
     assert sorted(c for c, *_ in done) == sorted(x.custom_id for x in lines)  # each once
     assert tries["c3"] == 2 and tries["c4"] == 3
     assert ("c5", False, 400, 0) in done and ("c0", True, 200, 2) in done
@@ -172,8 +180,47 @@ def test_core_bounds_concurrency_retries_busy_answers_and_stops():
         if len(done) == 5:
             stop.append(True)
 
-    n = asyncio.run(run_lines(lines, send, on_done_then_stop, 2, stopped=lambda: bool(stop), retry_s=0.001))
+    n = asyncio.run(run_lines(lines, send_group, on_done_then_stop, 2, 1, lambda: bool(stop), retry_s=0.001))
     assert 5 <= n < 20 and len(done) == n
+
+
+def test_batch_share_takes_the_engine_when_idle_and_a_share_beside_online_requests():
+    """No online request: batch lines are not bounded here; one running: at most `busy_lines`, the rest wait until a
+    line ends; after the last online request the bound holds for `quiet_s`, then the waiting lines start."""
+    from deployments.batch.share import BatchShare
+
+    async def scenario():
+        share = BatchShare(quiet_s=0.3)
+        share.busy_lines = 2
+        held = [asyncio.Event() for _ in range(6)]
+        started = []
+
+        async def line(i):
+            async with share.slot():
+                started.append(i)
+                await held[i].wait()
+
+        share.online_started()
+        tasks = [asyncio.create_task(line(i)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        assert started == [0, 1] and share.running == 2  # the share, beside one online request
+        held[0].set()
+        await asyncio.sleep(0.05)
+        assert started == [0, 1, 2]  # a line ended: the next one takes its place
+        share.online_ended()  # quiet time starts: still the share
+        await asyncio.sleep(0.05)
+        assert started == [0, 1, 2]
+        await asyncio.sleep(0.4)  # past the quiet time: every waiting line starts
+        assert started == [0, 1, 2, 3] and share.running == 3
+        more = [asyncio.create_task(line(i)) for i in (4, 5)]
+        await asyncio.sleep(0.05)
+        assert started == [0, 1, 2, 3, 4, 5]  # idle: no bound
+        for e in held:
+            e.set()
+        await asyncio.gather(*tasks, *more)
+        assert share.running == 0
+
+    asyncio.run(scenario())
 
 
 def test_http_routes_answer_openai_shapes_and_wake_the_runner(tmp_path):
