@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,8 +153,8 @@ def run_loads(
             after_each(result)
         print(
             f"  c={c}: {result.tok_per_s:.0f} tok/s, TTFT p50 {result.ttft_pct(50) * 1e3:.1f} ms, "
-            f"p99 {result.ttft_pct(99) * 1e3:.1f} ms; CPU s by process: "
-            + ", ".join(f"{name} {s:.1f}" for name, s in result.cpu_breakdown),
+            f"p99 {result.ttft_pct(99) * 1e3:.1f} ms; serving CPU-s/1k tok {result.serving_cpu_per_1k_tok()}; "
+            "CPU s by process: " + ", ".join(f"{name} {s:.1f}" for name, s in result.cpu_breakdown),
             flush=True,
         )
         results.append(result)
@@ -260,6 +261,7 @@ def bench_summit(
     haproxy: bool = False,
     monitoring: dict | None = None,
     app_env: dict[str, str] | None = None,
+    cluster_env: dict[str, str] | None = None,
 ) -> tuple[float, list[LoadResult]]:
     models = [
         {
@@ -293,7 +295,7 @@ def bench_summit(
             }
         ],
     }
-    return serve_peer(ns, config, engine_env(ns), haproxy)
+    return serve_peer(ns, config, {**engine_env(ns), **(cluster_env or {})}, haproxy)
 
 
 # Monitoring's cost (--monitoring-cost): metrics (vLLM's and Summit's, through Ray's metrics system) and traces (every
@@ -307,6 +309,8 @@ def serve_peer(
 ) -> tuple[float, list[LoadResult]]:
     """A private Ray cluster with `config` deployed: (seconds until it answered, the loads' results);
     `observe(cluster, result)` (optional) runs after each load, before the cluster stops."""
+    # Ray's own metrics interval (10 s), as README command 1 runs: the test clusters' 2 s costs the daemons CPU
+    env = {"RAY_metrics_report_interval_ms": "10000", **env}
     cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=haproxy)
     try:
         t0 = time.monotonic()
@@ -436,6 +440,12 @@ def main() -> None:
         "instead of vLLM's 1 s",
     )
     p.add_argument(
+        "--daemon-cost",
+        action="store_true",
+        help="vLLM, Summit, and Summit with Serve's control loop every 0.5 s (RAY_SERVE_CONTROL_LOOP_INTERVAL_S; "
+        "Serve's default 0.1 s)",
+    )
+    p.add_argument(
         "--profile",
         metavar="DIR",
         help="py-spy (50 Hz) on the replica, vLLM's server and the engine processes of each peer during each load: "
@@ -470,12 +480,17 @@ def main() -> None:
         "summit-spin-0.1s": lambda ns, d, tp, r: bench_summit(
             ns, d, tp, r, True, None, {"SUMMIT_ENGINE_SPIN_S": "0.1"}
         ),
+        "summit-loop-0.5s": lambda ns, d, tp, r: bench_summit(
+            ns, d, tp, r, True, None, None, {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+        ),
     }
     wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set()) | ({"rayllm"} if ns.rayllm else set())
     if ns.monitoring_cost:
         wanted = {"summit-monitoring-off", "summit-monitoring-on"}
     if ns.spin_cost:
         wanted = {"vllm", "summit", "summit-spin-0.1s"}
+    if ns.daemon_cost:
+        wanted = {"vllm", "summit", "summit-loop-0.5s"}
     if ns.models > 1 and "rayllm" in wanted:
         raise SystemExit(
             "--rayllm takes one model: Ray Serve LLM 2.60's direct streaming serves one model per application"
@@ -494,7 +509,7 @@ def main() -> None:
                         flush=True,
                     )
                     if ns.json:  # after every peer, so that a run cut off by a time limit keeps what it measured
-                        write_json(ns.json, {name: median_round(runs) for name, runs in rounds.items()})
+                        write_json(ns.json, rounds)
     results = {name: median_round(runs) for name, runs in rounds.items()}
 
     print(
@@ -531,13 +546,22 @@ def main() -> None:
                 if r.concurrency == 1:
                     print(f"{name} single stream: {r.tok_per_s:.1f} tok/s = {r.tok_per_s / bound:.0%} of the HBM bound")
     if ns.json:
-        write_json(ns.json, results)
+        write_json(ns.json, rounds)
 
 
-def write_json(path: str, results: dict) -> None:
-    rows = [
-        {"peer": name, "ready_s": round(ready, 1), **x.row()} for name, (ready, loads) in results.items() for x in loads
-    ]
+MEDIAN_KEYS = ("out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "serving_cpu_s_per_1k_tok")
+
+
+def write_json(path: str, rounds: dict[str, list[tuple[float, list[LoadResult]]]]) -> None:
+    """A row per peer and concurrency: its median round (by tok/s), each round's figures (`rounds`), and the median
+    of each figure over the rounds (`medians`)."""
+    rows = []
+    for name, runs in rounds.items():
+        ready, loads = median_round(runs)
+        for i, x in enumerate(loads):
+            each = [{k: run[1][i].row().get(k) for k in MEDIAN_KEYS} for run in runs]
+            medians = {k: statistics.median(v) for k in MEDIAN_KEYS if (v := [r[k] for r in each if r[k] is not None])}
+            rows.append({"peer": name, "ready_s": round(ready, 1), **x.row(), "rounds": each, "medians": medians})
     Path(path).write_text(json.dumps(rows, indent=2))
 
 

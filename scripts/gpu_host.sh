@@ -12,7 +12,7 @@
 #                                          # PEER = summit-pd | summit-agg | vllm-pd (bench/pd.py), 8/32/128 streams,
 #                                          # ~2k-token prompts, 256 out
 #   bash scripts/gpu_host.sh batch PEER... # one GPU, 8B shapes: bench/batch.py, PEER = api | offline | generate
-#                                          # (2,000 lines, 64 out, 256 in flight)
+#                                          # (2,000 lines, 64 out, 256 in flight; online: 256 requests, 16 streams)
 #   bash scripts/gpu_host.sh moncost N     # one GPU, 8B shapes: round N of Summit's monitoring off vs on
 #   bash scripts/gpu_host.sh migration     # one GPU: stream migration's checks on vLLM 0.26 (tests/*/test_migration.py)
 #   bash scripts/gpu_host.sh quickstart    # one GPU: docs/getting-started/quickstart-gpu.md as typed (8B shapes)
@@ -101,7 +101,7 @@ pd|pd1)
 batch)
   shift
   python3 bench/batch.py --model-dir "$model8b" --accelerator gpu --load-format dummy --max-num-seqs 256 \
-    --batch-concurrency 256 --offline-concurrency 256 --max-tokens 64 --only "$@" \
+    --batch-concurrency 256 --offline-concurrency 256 --max-tokens 64 --online-requests 256 --only "$@" \
     --json "$out/gpu-batch-$(IFS=-; echo "$*").json" 2>&1 | tee "$out/gpu-batch-$(IFS=-; echo "$*").log"
   grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 moncost)
