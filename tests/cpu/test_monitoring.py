@@ -356,7 +356,13 @@ def test_prometheus_answers_every_dashboard_query_after_a_known_load(mon_app, cl
     assert {status for status, _ in answers} == {200, 429} and len(ok) >= 8, answers
     _run_batch(client)  # three lines of 8 tokens
     assert wait_for(lambda: _query(prometheus, E2E) == before + len(ok) + 3, 60), (_query(prometheus, E2E), before, ok)
-    assert wait_for(lambda: _query(prometheus, ARRIVALS) == arrivals_before + len(ok) + 3, 30)
+    # vLLM's end-to-end count has the batch lines; Summit's arrivals do not: the replica answers a batch line through
+    # vLLM's serving objects, past the front that times arrivals (docs/operations/monitoring.md)
+    assert wait_for(lambda: _query(prometheus, ARRIVALS) == arrivals_before + len(ok), 30), (
+        _query(prometheus, ARRIVALS),
+        arrivals_before,
+        len(ok),
+    )
     assert wait_for(lambda: _query(prometheus, GENERATED) - tokens_before == sum(ok) + 3 * 8, 30)
     end = time.time() + 5
     time.sleep(5)
