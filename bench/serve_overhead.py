@@ -182,23 +182,7 @@ PROFILED_ROLES = ("ray::ServeReplica", "ray::HAProxyManager", "VLLM::", "python 
 def serving_processes(root_pid: int) -> list[int]:
     """The processes of `root_pid`'s tree that serve requests (PROFILED_ROLES: the replica, vLLM's server, the
     engine's), for py-spy."""
-    import psutil
-
-    from bench.loadgen import _process_label
-
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for proc in procs:
-        try:
-            if _process_label(proc).startswith(PROFILED_ROLES):
-                out.append(proc.pid)
-        except psutil.Error:
-            pass
-    return out
+    return [pid for pid, _, label in tree_cpu_s(root_pid) if label.startswith(PROFILED_ROLES)]
 
 
 def bench_vllm(
@@ -559,7 +543,7 @@ def write_json(path: str, rounds: dict[str, list[tuple[float, list[LoadResult]]]
     for name, runs in rounds.items():
         ready, loads = median_round(runs)
         for i, x in enumerate(loads):
-            each = [{k: run[1][i].row().get(k) for k in MEDIAN_KEYS} for run in runs]
+            each = [{k: row.get(k) for k in MEDIAN_KEYS} for row in (run[1][i].row() for run in runs)]
             medians = {k: statistics.median(v) for k in MEDIAN_KEYS if (v := [r[k] for r in each if r[k] is not None])}
             rows.append({"peer": name, "ready_s": round(ready, 1), **x.row(), "rounds": each, "medians": medians})
     Path(path).write_text(json.dumps(rows, indent=2))

@@ -60,34 +60,13 @@ class EngineWorker:
         return list(await asyncio.gather(*(self._one(line) for line in lines)))
 
     async def _one(self, line: Line) -> tuple[str, bool, dict, int]:
-        """vLLM's serving objects in this process (as a Serve replica runs a batch line: server/batch_lines.py);
-        vLLM's HTTP app where they do not answer with a 200 (its answer is then exactly the online one)."""
-        from deployments import engine
-        from deployments.http.asgi import stream_asgi
-        from deployments.http.protocol import HTTPRequest, ResponseStart
+        """As a Serve replica runs a batch line (server/batch_lines.py): vLLM's serving objects in this process, or
+        vLLM's HTTP app where they do not answer with a 200."""
+        from deployments.server.batch_lines import answer_line
 
         request_id = f"batch-{uuid.uuid4().hex}"
-        answer = await engine.answer_in_process(self._engine_app.app, line.url, line.body)
-        if answer is not None:
-            tokens = (answer.get("usage") or {}).get("completion_tokens", 0)
-            return line.custom_id, True, result_line(line, 200, answer, request_id), tokens
-        request = HTTPRequest(
-            "POST",
-            line.url,
-            json.dumps(line.body).encode(),
-            b"",
-            [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())],
-        )
-        status, chunks = 500, []
-        async for item in stream_asgi(self._engine_app.app, request):
-            if isinstance(item, ResponseStart):
-                status = item.status
-            else:
-                chunks.append(item)
-        try:
-            body = json.loads(b"".join(chunks))
-        except ValueError:
-            body = {"error": {"message": b"".join(chunks).decode(errors="replace")[:2000], "code": status}}
+        app = self._engine_app.app
+        status, body = await answer_line(app, app, {"url": line.url, "body": line.body, "request_id": request_id})
         ok = 200 <= status < 300
         tokens = (body.get("usage") or {}).get("completion_tokens", 0) if ok and isinstance(body, dict) else 0
         return line.custom_id, ok, result_line(line, status, body, request_id), tokens

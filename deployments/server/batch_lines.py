@@ -43,7 +43,7 @@ class BatchLines:
     ):
         """`in_process(model)`: whether a line for `model` may skip the front (this replica's own base model, not
         disaggregated)."""
-        self._engine_app, self._front, self._max_num_seqs = engine_app, front, max_num_seqs
+        self._engine_app, self._front_app, self._max_num_seqs = engine_app, _as_batch_line(front), max_num_seqs
         self._in_process, self.share = in_process, share
 
     async def run(self, lines: list[dict], busy_share: float | None) -> AsyncIterator[LineAnswer]:
@@ -75,35 +75,43 @@ class BatchLines:
                 task.cancel()
 
     async def _line(self, line: dict) -> tuple[int, dict | None]:
-        url, body = line["url"], line["body"]
-        if self._in_process(body.get("model")):
-            answer = await engine.answer_in_process(self._engine_app.app, url, body)
-            if answer is not None:
-                return 200, answer
-        return await self._through_front(url, body, line["request_id"])
-
-    async def _through_front(self, url: str, body: dict, request_id: str) -> tuple[int, dict | None]:
-        request = HTTPRequest(
-            "POST",
-            url,
-            json.dumps(body).encode(),
-            b"",
-            [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())],
-            model=body.get("model"),
+        return await answer_line(
+            self._engine_app.app, self._front_app, line, self._in_process(line["body"].get("model"))
         )
-        status, payload = 500, b""
-        async for item in stream_asgi(_as_batch_line(self._front), request):
-            if isinstance(item, ResponseStart):
-                status = item.status
-            else:
-                payload += item
-        try:
-            return status, (json.loads(payload) if payload else None)
-        except ValueError:
-            return status, {"error": {"message": payload.decode(errors="replace")[:2000], "code": status}}
+
+
+async def answer_line(vllm_app, http_app, line: dict, in_process: bool = True) -> tuple[int, dict | None]:
+    """One batch line ({"url", "body", "request_id"}): (status, response body). vLLM's serving objects in this
+    process answer it where `in_process` allows and they answer with a 200; else `http_app` does (the replica's front,
+    or vLLM's own app), exactly as it answers the same request online."""
+    url, body = line["url"], line["body"]
+    if in_process:
+        answer = await engine.answer_in_process(vllm_app, url, body)
+        if answer is not None:
+            return 200, answer
+    request = HTTPRequest(
+        "POST",
+        url,
+        json.dumps(body).encode(),
+        b"",
+        [(b"content-type", b"application/json"), (b"x-request-id", line["request_id"].encode())],
+        model=body.get("model"),
+    )
+    status, payload = 500, b""
+    async for item in stream_asgi(http_app, request):
+        if isinstance(item, ResponseStart):
+            status = item.status
+        else:
+            payload += item
+    try:
+        return status, (json.loads(payload) if payload else None)
+    except ValueError:
+        return status, {"error": {"message": payload.decode(errors="replace")[:2000], "code": status}}
 
 
 def _as_batch_line(front) -> Callable[..., Awaitable[None]]:
+    """The replica's front for a batch line: let in where it entered, and not online traffic (BatchShare)."""
+
     async def app(scope, receive, send) -> None:
         await front({**scope, INTERNAL_SCOPE_KEY: True, BATCH_LINE_SCOPE_KEY: True}, receive, send)
 
