@@ -25,10 +25,22 @@ def vllm_workers(cluster: LocalCluster) -> list[dict]:
     return [a for a in cluster.alive_actors() if a["class_name"] in RAY_WORKERS]
 
 
+def titled(procs, title: str) -> list[psutil.Process]:
+    """Those of `procs` whose name or command line (vLLM sets process titles) holds `title`; one that exits while
+    being read (a short-lived helper such as haproxy's reload) is not one of them."""
+    found = []
+    for proc in procs:
+        try:
+            if title in proc.name() or title in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
 def _descendants_titled(pid: int, title: str) -> list[psutil.Process]:
-    """Processes under `pid` whose name or command line (vLLM sets process titles) holds `title`."""
-    children = psutil.Process(pid).children(recursive=True)
-    return [p for p in children if title in p.name() or title in " ".join(p.cmdline())]
+    """Processes under `pid` whose name or command line holds `title`."""
+    return titled(psutil.Process(pid).children(recursive=True), title)
 
 
 def mp_workers(replica: dict) -> list[psutil.Process]:

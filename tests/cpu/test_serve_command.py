@@ -27,7 +27,7 @@ from app.clusters.job_env import free_port, haproxy_env
 from app.clusters.local_serve import process_tree
 from tests.conftest import TEST_CLUSTER_ENV
 from tests.cpu.engine_apps import REPO
-from tests.engine_checks import Throttle
+from tests.engine_checks import Throttle, titled
 
 MODEL = "tiny-llama"
 STREAM_TOKENS = 1500  # well inside the shipped YAML's max_model_len (2,048)
@@ -126,7 +126,7 @@ def test_serve_command_says_ready_answers_and_ctrl_c_drains_only_requests_in_fli
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=8).usage.completion_tokens == 8
     processes.update({p.pid: p for p in process_tree(term.pid)})  # Ray's daemons leave the tree when their parent goes
-    cores = [p for p in processes.values() if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    cores = titled(processes.values(), "EngineCore")
     assert cores, "the server should run a vLLM EngineCore process"
 
     # another client that asked once and keeps its connection open (keep-alive), as an idle chat window does

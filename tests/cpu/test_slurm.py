@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from tests.cpu.engine_apps import REPO
-from tests.engine_checks import Throttle
+from tests.engine_checks import Throttle, titled
 from tests.netns_hosts import OPENAI_CHECK, hosts_problem
 from tests.slurm_cluster import DAEMONS, SlurmCluster
 
@@ -212,7 +212,7 @@ def wait_gone(slurm: SlurmCluster, job: Job, timeout_s: float = 90) -> None:
     while time.monotonic() < deadline and (job.id in job_ids(slurm) or job_processes(job.id)):
         time.sleep(2)
     assert job.id not in job_ids(slurm), job.tail()
-    left = [(p.pid, p.name()) for p in job_processes(job.id) if p.is_running()]
+    left = [(p.pid, p.info["name"]) for p in job_processes(job.id) if p.is_running()]
     assert not left, f"processes of job {job.id} left: {left}"
 
 
@@ -290,7 +290,7 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
     # The stream is held in flight across the signal: its engine crawls (paused but 2 ms of every 250) from before
     # the stream starts until the job has begun draining, so the stream can only end complete if the drain waited for
     # it (at full speed the tiny model can finish it before a loaded box delivers the signal).
-    cores = [p for p in job_processes(job.id) if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    cores = titled(job_processes(job.id), "EngineCore")
     assert cores, "the job's replica should own a vLLM EngineCore process"
     with Throttle(cores):
         stream = subprocess.Popen(
