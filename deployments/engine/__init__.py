@@ -17,7 +17,7 @@ modules. Each module imports vLLM inside its functions, so importing the package
 
 # vLLM's default batch size: the schema holds it (the schema imports no engine)
 from app.config import DEFAULT_MAX_NUM_SEQS
-from deployments.engine.app import EngineApp, start_engine_app
+from deployments.engine.app import EngineApp, start_engine_app, start_engine_client
 from deployments.engine.args import (
     CPU_QUANTIZATION,
     NO_NVLINK_MULTICAST_ENV,
@@ -52,6 +52,7 @@ from deployments.engine.serving import answer_in_process
 from deployments.engine.state import (
     check_engine_health,
     engine_is_dead,
+    mark_engine_dead,
     num_unfinished_requests,
     shutdown_engine,
 )
@@ -83,12 +84,14 @@ __all__ = [
     "adapters_in_engine",
     "answer_in_process",
     "load_adapter",
+    "mark_engine_dead",
     "logger",
     "num_unfinished_requests",
     "output_detokenizer",
     "serve_namespace",
     "shutdown_engine",
     "start_engine_app",
+    "start_engine_client",
     "tool_parser",
     "tool_parser_names",
     "unload_adapter",

@@ -3,9 +3,10 @@ placement group."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from argparse import Namespace
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,28 +20,104 @@ class EngineApp:
 
     engine: Any
     app: Any
+    # where the engine core's other clients connect (one dict each, picklable), when it was started for several
+    # front processes (`start_engine_app(..., clients=N)`): what `start_engine_client` takes in another process
+    clients: list[dict] = field(default_factory=list)
 
 
-async def start_engine_app(args: Namespace, metrics: bool = True) -> EngineApp:
+async def start_engine_app(args: Namespace, metrics: bool = True, clients: int = 1) -> EngineApp:
     """vLLM's AsyncLLM and its OpenAI app; `metrics`: vLLM records its stats in this process (its default
-    prometheus_client logger, which `engine_metric_samples` reads); False: none at all, as with `disable_log_stats`."""
+    prometheus_client logger, which `engine_metric_samples` reads); False: none at all, as with `disable_log_stats`.
+    `clients` > 1: the engine core takes that many clients, as under `vllm serve --api-server-count`: this process
+    is client 0, `EngineApp.clients` says where clients 1.. connect (each in its own process, `start_engine_client`)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    _, build_app, init_app_state = openai_entrypoints()
     engine_args = AsyncEngineArgs.from_cli_args(args)
+    if clients > 1:
+        engine_args._api_process_count, engine_args._api_process_rank = clients, -1  # the core's launcher
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     _use_replica_placement_group(vllm_config)
     _own_kv_side_channel(vllm_config)
     _fork_workers_in_the_core(vllm_config)
     _cpu_spinners_sleep()
-    engine = AsyncLLM.from_vllm_config(
+    log_stats = not (engine_args.disable_log_stats or not metrics)
+    if clients == 1:
+        engine = AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=engine_args.enable_log_requests,
+            disable_log_stats=not log_stats,
+        )
+        addresses = []
+    else:
+        manager, addresses = _launch_shared_core(vllm_config, log_stats, clients)
+        try:
+            engine = _client(args, addresses[0], metrics)
+        except BaseException:
+            manager.close()
+            raise
+        # the core's processes are this client's to watch and stop, as if it had started them itself
+        engine.engine_core.resources.engine_manager = manager
+        engine.engine_core.start_engine_core_monitor()
+    return EngineApp(engine=engine, app=await _openai_app(engine, args), clients=addresses[1:])
+
+
+async def start_engine_client(args: Namespace, client: dict, metrics: bool = True) -> EngineApp:
+    """Another client of an engine core that `start_engine_app(..., clients=N)` started (in another process of the
+    same node): its own AsyncLLM (output processing, detokenization) and vLLM's OpenAI app on it."""
+    engine = _client(args, client, metrics)
+    return EngineApp(engine=engine, app=await _openai_app(engine, args))
+
+
+def _client(args: Namespace, client: dict, metrics: bool):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    engine_args._api_process_count, engine_args._api_process_rank = client["client_count"], client["client_index"]
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    return AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
         enable_log_requests=engine_args.enable_log_requests,
         disable_log_stats=engine_args.disable_log_stats or not metrics,
+        client_addresses={"input_address": client["input_address"], "output_address": client["output_address"]},
+        client_count=client["client_count"],
+        client_index=client["client_index"],
     )
+
+
+def _launch_shared_core(vllm_config, log_stats: bool, clients: int) -> tuple[Any, list[dict]]:
+    """Start the engine core (and its workers) for `clients` clients, each on its own pair of ZMQ addresses (IPC
+    paths on this node), which each client binds; the core connects to them all. vLLM's own launcher, as
+    `vllm serve --api-server-count` runs it: (the core processes' manager, each client's addresses)."""
+    from vllm.v1.engine import utils
+    from vllm.v1.executor import Executor
+
+    if hasattr(utils, "get_engine_zmq_bind_addresses"):  # vLLM >= 0.27
+        bound = utils.get_engine_zmq_bind_addresses(vllm_config, clients)
+        addresses = utils.EngineZmqAddresses(inputs=list(bound.inputs), outputs=list(bound.outputs))
+    else:  # vLLM 0.26
+        addresses = utils.get_engine_zmq_addresses(vllm_config, clients)
+    if not all(a.startswith("ipc://") for a in [*addresses.inputs, *addresses.outputs]):
+        raise ValueError("front_processes > 1 needs the engine on the replica's node (one data-parallel rank)")
+    launch_args = [vllm_config, Executor.get_class(vllm_config), log_stats, addresses]
+    if "num_api_servers" in inspect.signature(utils.launch_core_engines).parameters:  # vLLM 0.26
+        launch_args.append(clients)
+    with utils.launch_core_engines(*launch_args) as launched:
+        manager = launched.engine_manager if hasattr(launched, "engine_manager") else launched[0]
+    return manager, [
+        {"input_address": i, "output_address": o, "client_count": clients, "client_index": n}
+        for n, (i, o) in enumerate(zip(addresses.inputs, addresses.outputs, strict=True))
+    ]
+
+
+async def _openai_app(engine, args: Namespace):
+    """vLLM's OpenAI app on `engine` (shut down if the app cannot be built)."""
+    _, build_app, init_app_state = openai_entrypoints()
     try:
         supported_tasks = await engine.get_supported_tasks()
         app = build_app(args, supported_tasks, engine.model_config)
@@ -51,7 +128,7 @@ async def start_engine_app(args: Namespace, metrics: bool = True) -> EngineApp:
     except BaseException:
         engine.shutdown()
         raise
-    return EngineApp(engine=engine, app=app)
+    return app
 
 
 def _own_kv_side_channel(vllm_config, env: dict | None = None) -> None:

@@ -12,6 +12,15 @@ def engine_is_dead(engine) -> bool:
     return bool(engine.errored)
 
 
+def mark_engine_dead(engine) -> None:
+    """A client of an engine core that another process started (front processes) learns the core died: as vLLM's
+    own engine monitor does, mark it dead and shut the client down, which fails its running requests with
+    EngineDeadError."""
+    if not engine.errored:
+        engine.engine_core.resources.engine_dead = True
+        engine.engine_core.shutdown()
+
+
 def num_unfinished_requests(engine) -> int:
     """Requests the engine still holds (running or waiting), as vLLM's output processor counts them."""
     return engine.output_processor.get_num_unfinished_requests()
