@@ -96,6 +96,17 @@ def request_path(config: SummitConfig, haproxy: bool) -> tuple[str, str]:
     return "hops", problem
 
 
+def check_front_processes(config: SummitConfig, path: str, why: str) -> None:
+    """Front processes share a replica's HTTP port, which only the direct path sends requests to."""
+    several = [m.name for m in config.models if m.front_processes > 1]
+    if several and path != "direct":
+        raise ValueError(
+            f"models[{several[0]!r}].front_processes > 1 serves the replica's own HTTP port, which only the direct "
+            f"path uses; this app runs the two-hop path ({why}). Fix: set front_processes: 1, or make the direct "
+            "path possible (ingress.path: auto with RAY_SERVE_ENABLE_HA_PROXY=1)"
+        )
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the YAML args once, check the cluster can hold the models, then bind the request path:
     direct (the engine deployment is the HTTP ingress behind HAProxy, a route picker chooses each request's replica)
@@ -104,6 +115,7 @@ def build_app(args: dict[str, Any]) -> Application:
     check_before_deploy(config)
     path, why = request_path(config, haproxy_enabled())
     logger.info("Summit request path: %s (%s)", path, why)
+    check_front_processes(config, path, why)
     shared = Shared(
         # each disaggregated model's prefill pool, handed to the deployment of its decode side
         prefill={

@@ -112,6 +112,14 @@ class ModelConfig(Strict):
         "streams, continued exactly), all (any temperature: sampled anew from there), off "
         "(docs/features/stream-migration.md).",
     )
+    front_processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Processes that serve each replica's HTTP port, each its own client of the replica's one engine "
+        "core (as `vllm serve --api-server-count`): more than 1 when one Python process cannot keep up with a GPU's "
+        "streams. Direct path only (docs/features/front-processes.md).",
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options.")
     routing: RoutingOptions = Field(
         default_factory=RoutingOptions,
@@ -221,6 +229,17 @@ class ModelConfig(Strict):
             )
         if self.lora and self.disaggregation:
             raise ValueError(f"model {self.name!r}: `lora` and `disaggregation` together are not supported; remove one")
+        return self
+
+    @model_validator(mode="after")
+    def _front_processes_alone(self) -> ModelConfig:
+        if self.front_processes > 1 and (self.lora or self.disaggregation):
+            key = "lora" if self.lora else "disaggregation"
+            raise ValueError(
+                f"model {self.name!r}: front_processes: {self.front_processes} with `{key}` is not supported (each "
+                "front process would keep its own adapters / prefill state). Fix: set front_processes: 1, or remove "
+                f"`{key}`"
+            )
         return self
 
     @model_validator(mode="after")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.build.builder import request_path
+from app.build.builder import check_front_processes, request_path
 from app.build.options import FRONT_BOUNDS_ONGOING, engine_pool_options, pool_problem
 from app.config import SummitConfig
 from deployments.routing.picker import body_model
@@ -94,3 +94,27 @@ def test_a_bounded_queue_on_the_direct_path_is_the_fronts():
     assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (FRONT_BOUNDS_ONGOING, -1)
     unbounded = engine_pool_options(config({"name": "a", "engine_kwargs": {"max_num_seqs": 4}}).models)
     assert (unbounded["max_ongoing_requests"], unbounded["max_queued_requests"]) == (4, -1)
+
+
+def test_front_processes_take_the_direct_path_only_and_the_refusal_names_the_key():
+    fronts = config({"name": "a", "front_processes": 2})
+    path, why = request_path(fronts, haproxy=True)
+    check_front_processes(fronts, path, why)  # direct: accepted
+    path, why = request_path(fronts, haproxy=False)
+    with pytest.raises(ValueError, match=r"models\['a'\]\.front_processes > 1 .* two-hop path") as e:
+        check_front_processes(fronts, path, why)
+    assert "Fix: set front_processes: 1" in str(e.value)
+    check_front_processes(config({"name": "a"}), path, why)  # one process: either path
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"lora": {"adapters": [{"name": "a-lora", "path": "/adapters/x"}]}},
+        {"disaggregation": {"connector": "shared_storage"}},
+    ],
+)
+def test_front_processes_refuse_lora_and_disaggregation_naming_both_keys(extra):
+    with pytest.raises(ValueError, match=r"front_processes: 2 with `(lora|disaggregation)` is not supported"):
+        config({"name": "a", "front_processes": 2, **extra})
+    config({"name": "a", **extra})  # accepted with one process

@@ -1,0 +1,257 @@
+"""One engine served by two front processes (`models[].front_processes: 2`), direct path, real engine: the replica
+and its front process both listen on the replica's one HTTP port (what HAProxy knows), each a client of the same
+engine core, and a front process that dies gets its replica replaced.
+
+Which process answered a request is told by vLLM's own counters in each process (`generation_tokens`: a client
+counts the tokens of the requests it sent the core): the load's tokens must be exactly the sum of both processes',
+and each must have some."""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.cpu.engine_apps import (
+    deployed,
+    deployment_details,
+    replica_ports,
+    running_replicas,
+    serve_log_lines,
+    tiny_model,
+    wait_for,
+)
+from tests.engine_checks import Throttle, engine_core_processes
+from tests.replica_probe import probe
+
+MODEL = "tiny-fronts"
+POOL = f"LLMServer:{MODEL}"
+STREAMS, TOKENS = 24, 16
+
+
+@pytest.fixture(scope="module")
+def fronts(tiny_model_dir):
+    model = tiny_model(
+        MODEL, {"max_num_seqs": 16}, {"num_replicas": 1, "graceful_shutdown_timeout_s": 120}, front_processes=2
+    )
+    with deployed([model], tiny_model_dir, haproxy=True) as cluster:
+        yield cluster
+
+
+def replica_stats(cluster) -> dict:
+    answers = probe(cluster.address, "each", "summit", POOL, "stats", "--replicas", "1")
+    return next(iter(answers.values()))
+
+
+def with_front(cluster, timeout_s: float = 180) -> dict:
+    """The replica's stats once its front process listens beside it."""
+    seen: dict = {}
+
+    def ready() -> bool:
+        seen.update(replica_stats(cluster))
+        return len(seen["fronts"]) == 1 and seen["fronts"][0]["listening"]
+
+    if not wait_for(ready, timeout_s, 1):
+        open("/tmp/fp.log", "w").write(serve_log_lines(cluster, "front process"))
+        raise AssertionError(seen)
+    return dict(seen)
+
+
+def replica_state(cluster, replica_id: str) -> str | None:
+    """A replica's state in Serve's view (None where Serve lists no such replica, or no deployment while the
+    application is being built again)."""
+    try:
+        replicas = deployment_details(cluster, POOL)["replicas"]
+    except KeyError:
+        return None
+    return next((r["state"] for r in replicas if r["replica_id"] == replica_id), None)
+
+
+def streamed(base_url: str, i: int, tokens: int = TOKENS) -> tuple[int, str | None]:
+    """One streamed completion on its own connection: (tokens, finish_reason)."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=f"Story {i}:",
+                max_tokens=tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+    finally:
+        client.close()
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return chunks[-1].usage.completion_tokens, reasons[-1] if reasons else None
+
+
+def test_the_replica_and_its_front_process_answer_on_its_port_from_one_engine(fronts):
+    before = with_front(fronts)
+    front = before["fronts"][0]
+    assert front["pid"] != before["pid"]
+    # one engine core, the replica's child; the front process has none
+    assert len(engine_core_processes(before["pid"])) == 1
+    assert engine_core_processes(front["pid"]) == []
+
+    with ThreadPoolExecutor(STREAMS) as pool:
+        results = list(pool.map(lambda i: streamed(fronts.base_url, i), range(STREAMS)))
+    assert results == [(TOKENS, "length")] * STREAMS
+
+    after = replica_stats(fronts)
+    by_replica = after["generation_tokens"] - before["generation_tokens"]
+    by_front = after["fronts"][0]["generation_tokens"] - front["generation_tokens"]
+    assert by_replica + by_front == STREAMS * TOKENS, (by_replica, by_front)
+    assert by_replica > 0 and by_front > 0, f"every process should have taken connections: {by_replica}, {by_front}"
+
+    # HAProxy's health check on the port is answered alike by either process
+    ((host, port),) = replica_ports(fronts)
+    answers = {(r.status_code, r.text) for r in (httpx.get(f"http://{host}:{port}/-/healthz") for _ in range(20))}
+    assert answers == {(200, "success")}
+
+
+class Stream:
+    """A streamed completion on its own connection, read in a thread: which process answered (`x-summit-front`:
+    a front process's index; None: the replica's own) and how it ended. `cut()` closes the connection under it."""
+
+    def __init__(self, base_url: str, i: int, tokens: int):
+        host, port = base_url.removeprefix("http://").rsplit(":", 1)
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        self.front: str | None = None
+        self.outcome: str | None = None
+        self.started = threading.Event()
+        body = {"model": MODEL, "prompt": f"Tale {i}:", "max_tokens": tokens, "stream": True, "ignore_eos": True}
+        self.thread = threading.Thread(target=self._run, args=(body,), daemon=True)
+        self.thread.start()
+
+    def _run(self, body: dict) -> None:
+        try:
+            self.conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+            answer = self.conn.getresponse()
+            self.front = answer.getheader("x-summit-front")
+            self.started.set()
+            text = answer.read().decode()
+            whole = text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+            self.outcome = "complete" if whole and '"finish_reason":"length"' in text else f"ended: {text[-300:]}"
+        except Exception as e:  # noqa: BLE001 — the stream was cut (or by the test)
+            self.outcome = f"cut: {type(e).__name__}"
+        finally:
+            self.started.set()
+
+    def cut(self) -> None:
+        self.conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def ended(self, timeout_s: float) -> str | None:
+        self.thread.join(timeout_s)
+        return self.outcome
+
+
+def refused(host: str, port: int) -> bool:
+    """No process listens on the old replica's port any more: Serve closed the replica's listener, and its front
+    process (draining) closed its own."""
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def test_a_stopping_replica_drains_its_front_process_streams(fronts):
+    """Streams run on both processes of the replica (sent to its port), its engine paused, while the app is
+    redeployed with a change (Serve replaces the replica). Once the old replica is stopping, the streams on its own
+    process are closed by their clients, so Serve goes on to stop it; its front process must then drain: stop taking
+    connections (the port refuses them) and keep the engine core up until its own streams end, which they do
+    complete once the engine runs again."""
+    before = with_front(fronts)
+    (core,) = engine_core_processes(before["pid"])
+    ((host, port),) = replica_ports(fronts)
+    streams: list[Stream] = []
+    with Throttle([core]) as throttle:
+        while len(streams) < 24 and {s.front for s in streams} != {None, "1"}:  # some on each process
+            # straight to the replica's port (where HAProxy would send them): a cut connection reaches the replica
+            # at once (HAProxy would keep its side open while no byte flows)
+            streams.append(Stream(f"http://{host}:{port}", len(streams), 400))
+            assert streams[-1].started.wait(120), "a stream got no answer"
+        assert {s.front for s in streams} == {None, "1"}, [s.front for s in streams]
+        throttle.hold()  # no step more: no stream can end on its own
+        config = copy.deepcopy(fronts.serve_config)
+        config["applications"][0]["args"]["models"][0]["engine_kwargs"]["max_num_seqs"] = 12
+        fronts.serve_config = config
+        deploy = ThreadPoolExecutor(1).submit(fronts.serve_deploy, config)
+        stopping = wait_for(lambda: replica_state(fronts, before["replica_id"]) == "STOPPING", 300, 0.5)
+        for s in streams:
+            if s.front is None:
+                s.cut()  # the replica's own requests end: Serve goes on to stop it
+        # Serve keeps a stopping replica reachable 30 s (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S) first
+        draining = wait_for(lambda: refused(host, port), 180, 0.5)
+    outcomes = [s.ended(120) for s in streams if s.front == "1"]
+    deploy.result()
+    assert stopping, deployment_details(fronts, POOL)
+    if not draining:
+        open("/tmp/fp.log", "w").write(serve_log_lines(fronts, before["replica_id"]))
+    assert draining, "the old replica's front process never stopped taking connections"
+    assert outcomes and all(o == "complete" for o in outcomes), outcomes
+    assert wait_for(lambda: running_replicas(fronts, POOL) != [before["replica_id"]], 120), deployment_details(
+        fronts, POOL
+    )
+
+
+def test_a_front_process_that_dies_gets_its_replica_replaced(fronts):
+    before = with_front(fronts)
+    (old_core,) = engine_core_processes(before["pid"])
+    os.kill(before["fronts"][0]["pid"], signal.SIGKILL)
+
+    def replaced() -> bool:
+        running = running_replicas(fronts, POOL)
+        return len(running) == 1 and running[0] != before["replica_id"]
+
+    assert wait_for(replaced, 360, 1), deployment_details(fronts, POOL)
+    after = with_front(fronts)
+    assert after["replica_id"] != before["replica_id"] and after["fronts"][0]["pid"] != before["fronts"][0]["pid"]
+    assert wait_for(lambda: not old_core.is_running() or old_core.status() == psutil.STATUS_ZOMBIE, 60)
+    assert streamed(fronts.base_url, 0) == (TOKENS, "length")
+
+
+def ended_how(base_url: str, i: int, tokens: int) -> str:
+    """A streamed completion read to its end: "complete", "error event: <message>" (an OpenAI error inside the
+    stream), or "cut: <exception>" (the connection closed under it)."""
+    try:
+        got = streamed(base_url, i, tokens)
+    except openai.APIConnectionError as e:
+        return f"cut: {type(e).__name__}: {e}"
+    except openai.APIError as e:
+        return f"error event: {e.message}"
+    return "complete" if got == (tokens, "length") else f"short: {got}"
+
+
+def test_a_dead_engine_ends_the_front_process_streams_with_an_error_event(fronts):
+    """Last (the replica is not replaced after): the engine core dies under streams on both processes; the front
+    process learns it from the replica (its own client does not watch the core), so its streams end with vLLM's
+    error event too, none cut or hung. Sampled streams (not resumed: stream migration resumes temperature-0 ones)."""
+    before = with_front(fronts)
+    (core,) = engine_core_processes(before["pid"])
+    streams = 8
+    with Throttle([core]), ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(ended_how, fronts.base_url, i, 400) for i in range(streams)]
+
+        def both_running() -> bool:
+            s = replica_stats(fronts)
+            return s["fronts"][0]["running"] > 0 and s["num_unfinished_requests"] > 0
+
+        assert wait_for(both_running, 120, 0.5), replica_stats(fronts)
+        core.kill()
+        outcomes = [f.result(timeout=120) for f in futures]
+    assert all(o.startswith("error event: EngineCore") for o in outcomes), outcomes
