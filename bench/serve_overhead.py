@@ -16,9 +16,11 @@ one model per application and is left out. `--monitoring-cost` runs only Summit,
 (metrics and traces), and prints the on/off ratios of CPU-seconds (every process of the Ray cluster, metrics agent
 included) per 1,000 output tokens and of tok/s. `--spin-cost` runs vLLM, Summit, and Summit with its engine's queue
 readers spinning 0.1 s after a read instead of vLLM's 1 s (`SUMMIT_ENGINE_SPIN_S=0.1`).
-`--profile DIR` records py-spy on the replica, vLLM's server and the engine processes during each load
-(bench/pyspy.py). Prints output tok/s, TTFT p50/p99 and serving CPU-seconds per 1,000 tokens (every process but vLLM's
-engine core and workers) of each, and Summit's ratios to vLLM. Not a test: nothing is asserted.
+`--front-processes N` adds `summit-fronts`, the direct path with `models[].front_processes: N` (the engine's serving
+work in N processes that share the replica's port). `--profile DIR` records py-spy on the replica, vLLM's server and
+the engine processes during each load (bench/pyspy.py). Prints output tok/s, TTFT p50/p99 and serving CPU-seconds per
+1,000 tokens (every process but vLLM's engine core and workers) of each, and Summit's ratios to vLLM. Not a test:
+nothing is asserted.
 `--json FILE` writes `[{peer, concurrency, out_tok_s, ttft_p50_ms, ttft_p99_ms, ...}]`.
 """
 
@@ -246,6 +248,7 @@ def bench_summit(
     monitoring: dict | None = None,
     app_env: dict[str, str] | None = None,
     cluster_env: dict[str, str] | None = None,
+    fronts: int = 1,
 ) -> tuple[float, list[LoadResult]]:
     models = [
         {
@@ -257,6 +260,7 @@ def bench_summit(
             "engine_kwargs": engine_kwargs(ns),
             "stream_coalesce_ms": ns.coalesce_ms,
             "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas},
+            **({"front_processes": fronts} if fronts > 1 else {}),
         }
         for name in model_names(ns)
     ]
@@ -410,7 +414,13 @@ def main() -> None:
         help="models of one shape, one engine each, the load spread over "
         "them (Summit: one application; vLLM: one api_server each; Ray Serve LLM: not with N > 1)",
     )
-    p.add_argument("--only", choices=["vllm", "summit", "summit-hops", "rayllm"], default=None)
+    p.add_argument("--only", choices=["vllm", "summit", "summit-hops", "rayllm", "summit-fronts"], default=None)
+    p.add_argument(
+        "--front-processes",
+        type=int,
+        default=1,
+        help="N > 1 adds the peer summit-fronts: Summit's direct path with models[].front_processes: N",
+    )
     p.add_argument(
         "--monitoring-cost",
         action="store_true",
@@ -467,6 +477,7 @@ def main() -> None:
         "summit-loop-0.5s": lambda ns, d, tp, r: bench_summit(
             ns, d, tp, r, True, None, None, {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
         ),
+        "summit-fronts": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, fronts=ns.front_processes),
     }
     wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set()) | ({"rayllm"} if ns.rayllm else set())
     if ns.monitoring_cost:
@@ -475,6 +486,8 @@ def main() -> None:
         wanted = {"vllm", "summit", "summit-spin-0.1s"}
     if ns.daemon_cost:
         wanted = {"vllm", "summit", "summit-loop-0.5s"}
+    if ns.front_processes > 1:
+        wanted |= {"summit-fronts"}
     if ns.models > 1 and "rayllm" in wanted:
         raise SystemExit(
             "--rayllm takes one model: Ray Serve LLM 2.60's direct streaming serves one model per application"

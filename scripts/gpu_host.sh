@@ -6,7 +6,8 @@
 #                                     # Ray nodes, two TP=1 replicas, OpenAI checks, 8B shapes)
 #   bash scripts/gpu_host.sh bench [LAYOUTS]  # 8B shapes (dummy weights): TP 2 x 1 vs TP 1 x 2, Summit vs vLLM,
 #                                     # 1/32/256 (LAYOUTS "2x1" or "1x2" for one layout a call)
-#   bash scripts/gpu_host.sh bench1 PEER   # one GPU, 8B shapes: PEER = vllm | summit (direct) | summit-hops,
+#   bash scripts/gpu_host.sh bench1 PEER   # one GPU, 8B shapes: PEER = vllm | summit (direct) | summit-hops |
+#                                          # summit-fronts (front_processes: $FRONTS, default 4),
 #                                          # 1/32/256 streams, 8 client processes (one peer a call: each takes minutes)
 #   bash scripts/gpu_host.sh pd PEER       # two GPUs, 8B shapes, NIXL (wheels nixl + nixl-cu13 carried in .whl-nixl):
 #                                          # PEER = summit-pd | summit-agg | vllm-pd (bench/pd.py), 8/32/128 streams,
@@ -81,11 +82,12 @@ bench)
   # are checked by the GPU tests; the benchmark's Ray cluster removes its logs when it stops)
   grep -li mnnvl /tmp/bench-vllm-*.log 2>/dev/null | tee "$out/mnnvl-hits-$tag.txt" ;;
 bench1)
-  peer=${2:?usage: gpu_host.sh bench1 vllm|summit|summit-hops}
+  peer=${2:?usage: gpu_host.sh bench1 vllm|summit|summit-hops|summit-fronts}
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
   python3 bench/serve_overhead.py --model-dir "$model8b" --accelerator gpu --load-format dummy \
     --concurrency 1 32 256 --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
-    --max-model-len 4096 --client-procs 8 --hops --only "$peer" --json "$out/gpu1-$peer.json" 2>&1 \
+    --max-model-len 4096 --client-procs 8 --hops --front-processes "${FRONTS:-4}" --only "$peer" \
+    --json "$out/gpu1-$peer.json" 2>&1 \
     | tee "$out/gpu1-$peer.log" ;;
 pd|pd1)
   # pd1: one GPU, vllm-pd only, both servers on GPU 0: a smoke test of NIXL with this vLLM (no figures)
