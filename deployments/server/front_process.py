@@ -35,11 +35,12 @@ from deployments.server.front_host import FrontHost
 from deployments.server.startup import serve_log_file_kept
 
 logger = logging.getLogger("ray.serve")
-# How long the replica waits for Serve's HTTP server to listen, and for its front processes to be ready.
+# How long the replica waits for Serve's HTTP server to listen (then for its front processes to listen too), and for
+# its front processes to start (each its engine client and vLLM's app: imports, tokenizer, on a loaded node).
 LISTEN_WAIT_S = 120.0
-# the response header that names the front process (1.. N-1) that answered
+READY_WAIT_S = 1800.0
+# the response header that names the front process (1 .. N-1) that answered; the replica's own answers carry none
 FRONT_HEADER = b"x-summit-front"
-READY_WAIT_S = 1800.0  # its engine client and vLLM's app (imports, tokenizer) on a loaded node
 
 
 def serve_listener():

@@ -33,7 +33,9 @@ RELAY_GRACE_S = 300.0
 
 
 class LLMServer(FrontHost):
-    """One replica = one AsyncLLM + vLLM's OpenAI FastAPI app bound to it (no subprocess, no extra port)."""
+    """One replica = one AsyncLLM + vLLM's OpenAI FastAPI app bound to it, in this process (no extra port); with
+    `front_processes` > 1, further clients of its engine core serve the same port from front processes
+    (server/front_process.py)."""
 
     async def __init__(self, config: ServerConfig):
         self._replica_id = replica_id()
