@@ -49,7 +49,9 @@ def serve_listener():
     from ray.serve._private import constants
 
     low, high = constants.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, constants.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT
-    for conn in psutil.Process().net_connections(kind="tcp"):
+    process = psutil.Process()
+    connections = getattr(process, "net_connections", None) or process.connections  # psutil < 6: connections()
+    for conn in connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and low <= conn.laddr.port <= high and conn.fd >= 0:
             return conn
     return None

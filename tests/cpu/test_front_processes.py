@@ -61,9 +61,7 @@ def with_front(cluster, timeout_s: float = 180) -> dict:
         seen.update(replica_stats(cluster))
         return len(seen["fronts"]) == 1 and seen["fronts"][0]["listening"]
 
-    if not wait_for(ready, timeout_s, 1):
-        open("/tmp/fp.log", "w").write(serve_log_lines(cluster, "front process"))
-        raise AssertionError(seen)
+    assert wait_for(ready, timeout_s, 1), f"{seen}\n{serve_log_lines(cluster, 'front process')}"
     return dict(seen)
 
 
@@ -200,9 +198,8 @@ def test_a_stopping_replica_drains_its_front_process_streams(fronts):
     outcomes = [s.ended(120) for s in streams if s.front == "1"]
     deploy.result()
     assert stopping, deployment_details(fronts, POOL)
-    if not draining:
-        open("/tmp/fp.log", "w").write(serve_log_lines(fronts, before["replica_id"]))
-    assert draining, "the old replica's front process never stopped taking connections"
+    logs = serve_log_lines(fronts, before["replica_id"])
+    assert draining, f"the old replica's front process never stopped taking connections\n{logs}"
     assert outcomes and all(o == "complete" for o in outcomes), outcomes
     assert wait_for(lambda: running_replicas(fronts, POOL) != [before["replica_id"]], 120), deployment_details(
         fronts, POOL
