@@ -198,8 +198,9 @@ def test_a_stopping_replica_drains_its_front_process_streams(fronts):
     outcomes = [s.ended(120) for s in streams if s.front == "1"]
     deploy.result()
     assert stopping, deployment_details(fronts, POOL)
-    logs = serve_log_lines(fronts, before["replica_id"])
-    assert draining, f"the old replica's front process never stopped taking connections\n{logs}"
+    assert draining, "the old replica's front process never stopped taking connections\n" + serve_log_lines(
+        fronts, before["replica_id"]
+    )
     assert outcomes and all(o == "complete" for o in outcomes), outcomes
     assert wait_for(lambda: running_replicas(fronts, POOL) != [before["replica_id"]], 120), deployment_details(
         fronts, POOL
