@@ -60,6 +60,16 @@ def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
         cut into different chunks; their chunks' bytes must still be vLLM's own around the text."""
         return _TEXT.sub(rb'"\1":"T"', same_but_id(event)) if event.startswith(b"data: {") else event
 
+    async def uncut(app, path: str, body: dict) -> list[bytes]:
+        """vLLM's own stream with chunks before its last: a loaded box can merge a lagging consumer's whole answer
+        into its final chunk (one CI run did), which leaves no mid-stream chunk to compare with; the stream is the
+        same at temperature 0, so ask again."""
+        for _ in range(5):
+            plain = await events(app, path, body)
+            if sum(b'"finish_reason":null' in e for e in plain) >= 2:
+                break
+        return plain
+
     async def run() -> None:
         args = vllm_adapter.serve_namespace(str(model), "m", kwargs, {})
         engine_app = await vllm_adapter.start_engine_app(args, metrics=False)
@@ -77,7 +87,7 @@ def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
                     "stream_options": {"include_usage": True},
                     **extra,
                 }
-                plain = await events(engine_app.app, path, payload)
+                plain = await uncut(engine_app.app, path, payload)
                 with_ids = await events(engine_app.app, path, {**payload, "return_token_ids": True})
                 uncut_text, uncut_ids = texts(with_ids)
                 assert uncut_text == texts(plain)[0] and len(uncut_ids) == payload["max_tokens"], path
