@@ -108,10 +108,21 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
     # least_load adds nothing (Serve's default router); the other policies name a Summit router and its kwargs. A model
     # with LoRA adapters always has Summit's router, which reads the adapters each replica has loaded.
     if model.lora:
-        options.update(pool_router_options({model.name: model.routing.model_dump()}))
+        options.update(pool_router_options({model.name: routing_kwargs(model)}))
     else:
-        options.update(request_router_options(model.routing.policy, **model.routing.model_dump(exclude={"policy"})))
+        options.update(request_router_options(**routing_kwargs(model)))
     return options
+
+
+def routing_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """The model's routing options as its router takes them; `kv_cache` also gets the model's tokenizer (the router
+    tokenizes each request as vLLM will) and its chat template."""
+    kwargs = model.routing.model_dump()
+    if model.routing.policy == "kv_cache":
+        source = model.source if model.source is not None else "${" + str(model.source_env) + "}"
+        kwargs["tokenizer"] = model.engine_kwargs.get("tokenizer") or source
+        kwargs["chat_template"] = model.frontend_kwargs.get("chat_template")
+    return kwargs
 
 
 def serving_models(models: list[ModelConfig]) -> list[ModelConfig]:
@@ -185,7 +196,7 @@ def engine_pool_options(models: list[ModelConfig]) -> dict[str, Any]:
     if len(models) > 1:
         options["name"] = "LLMServer:" + "+".join(m.name for m in models)
         options["num_replicas"] = sum(m.deployment.num_replicas for m in models)
-        options.update(pool_router_options({m.name: m.routing.model_dump() for m in models}))
+        options.update(pool_router_options({m.name: routing_kwargs(m) for m in models}))
     return options
 
 

@@ -177,6 +177,28 @@ class ModelConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _kv_cache_routing_fits(self) -> ModelConfig:
+        sides = [("", self.routing, self.engine_kwargs)]
+        if self.disaggregation is not None:
+            for side in ("prefill", "decode"):
+                pd = getattr(self.disaggregation, side)
+                sides.append((f"disaggregation.{side}.", pd.routing, {**self.engine_kwargs, **pd.engine_kwargs}))
+        for where, routing, kwargs in sides:
+            if routing is None or routing.policy != "kv_cache":
+                continue
+            if kwargs.get("enable_prefix_caching") is False:
+                raise ValueError(
+                    f"model {self.name!r}: {where}routing.policy kv_cache needs vLLM's prefix cache; remove "
+                    f"{where}engine_kwargs.enable_prefix_caching: false or pick another policy"
+                )
+            if "kv_events_config" in kwargs:
+                raise ValueError(
+                    f"model {self.name!r}: {where}engine_kwargs.kv_events_config: with routing.policy kv_cache Summit "
+                    "sets it (each engine publishes to its replica's router feed); remove the key"
+                )
+        return self
+
     @field_validator("frontend_kwargs")
     @classmethod
     def _frontend_kwargs_known(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:

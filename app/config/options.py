@@ -52,11 +52,12 @@ class RoutingOptions(Strict):
     """How the ingress picks one of a model's replicas (decisions in deployments/routing/policies.py, Serve routers
     in deployments/routing/routers.py)."""
 
-    policy: Literal["least_load", "prefix_affinity", "session_affinity"] = Field(
+    policy: Literal["least_load", "prefix_affinity", "session_affinity", "kv_cache"] = Field(
         "least_load",
         description="least_load: Serve's power-of-two choices; prefix_affinity: same leading prompt block → same "
         "replica (vLLM prefix-cache hits) unless overloaded; session_affinity: same `x-session-id` header (or `user`) "
-        "→ same replica while it lives.",
+        "→ same replica while it lives; kv_cache: the replica whose engine holds the longest cached prefix of the "
+        "request's tokens (from vLLM's KV events) unless overloaded.",
     )
     prefix_chars: int = Field(
         1024,
@@ -67,11 +68,21 @@ class RoutingOptions(Strict):
     imbalance: int = Field(
         8,
         ge=0,
-        description="prefix_affinity: ongoing requests a prefix's replica may have above the least-loaded one "
-        "before the prefix moves.",
+        description="prefix_affinity, kv_cache: ongoing requests a prefix's replica may have above the least-loaded "
+        "one before the prefix moves.",
+    )
+    cpu_block_credit: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="kv_cache: what a cached block held only in an offload tier (CPU memory) counts, against 1 for "
+        "one in GPU memory.",
     )
     max_tracked: int = Field(
-        100_000, ge=1, description="Prefixes or sessions remembered per ingress replica (least recently used dropped)."
+        100_000,
+        ge=1,
+        description="Prefixes, sessions or (kv_cache) claimed blocks remembered per ingress replica (least recently "
+        "used dropped).",
     )
 
 

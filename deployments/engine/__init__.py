@@ -52,6 +52,7 @@ from deployments.engine.serving import answer_in_process
 from deployments.engine.state import (
     check_engine_health,
     engine_is_dead,
+    kv_block_size,
     mark_engine_dead,
     num_unfinished_requests,
     shutdown_engine,
@@ -77,6 +78,7 @@ __all__ = [
     "engine_metric_samples",
     "frontend_arg_names",
     "generation_tokens",
+    "kv_block_size",
     "kv_cache_usage",
     "kv_connector",
     "kv_connector_names",

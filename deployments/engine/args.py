@@ -76,10 +76,20 @@ def engine_kwargs(
     return kwargs
 
 
-def engine_args(model: ModelConfig) -> dict[str, Any]:
+def engine_args(model: ModelConfig, kv_events: tuple[str, str] | None = None) -> dict[str, Any]:
     """What vLLM is started with for a model: its `engine_kwargs` and what its `lora:` sets, plus the parallel sizes,
-    executor and GPU safety settings (`engine_kwargs` above)."""
+    executor and GPU safety settings (`engine_kwargs` above). `kv_events`: the (events, replay) ZMQ endpoints the
+    engine publishes its KV cache events on (`routing.policy: kv_cache`; Unix sockets, which vLLM binds)."""
     given = {**model.engine_kwargs, **(model.lora.engine_kwargs() if model.lora else {})}
+    if kv_events is not None:
+        endpoint, replay = kv_events
+        given["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
+            "topic": "kv",
+        }
     return engine_kwargs(
         given, model.accelerator, model.tensor_parallel_size, model.pipeline_parallel_size, model.distributed_executor()
     )

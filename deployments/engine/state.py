@@ -26,5 +26,10 @@ def num_unfinished_requests(engine) -> int:
     return engine.output_processor.get_num_unfinished_requests()
 
 
+def kv_block_size(engine) -> int:
+    """Tokens per KV-cache block of the engine (its cache config, as vLLM resolved it for the platform)."""
+    return engine.vllm_config.cache_config.block_size
+
+
 def shutdown_engine(engine) -> None:
     engine.shutdown()

@@ -12,6 +12,8 @@ Policies (one deployment per model: its router; several models in one deployment
 - `least_load`: Serve's own `PowerOfTwoChoicesRequestRouter` (the default; no option is set).
 - `prefix_affinity`: `PrefixAffinityRouter` — same leading prompt block → same replica, unless overloaded.
 - `session_affinity`: `SessionAffinityRouter` — same `x-session-id` (or `user`) → same replica while it lives.
+- `kv_cache`: `KVCacheRouter` — to the replica whose engine holds the longest cached prefix of the request's tokens
+  (vLLM's KV events, `kv_blocks.py`), unless overloaded; a LoRA adapter's blocks are its own.
 
 The routers do not use Serve's `FIFOMixin`: it hands the replica chosen for one request to the oldest
 pending request, which would send that other request's prefix or session to the wrong replica.
@@ -30,8 +32,14 @@ from deployments.http.protocol import AVOID_HEADER, HTTPRequest
 from deployments.observability import metrics
 from deployments.observability.tracing import DECISION_HEADER, decision_value
 from deployments.routing import policies as routing
+from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, chain, choose
+from deployments.routing.kv_follow import KVFollower
+from deployments.routing.kv_tokens import PromptTokens
 
 logger = logging.getLogger("ray.serve")
+
+# kv_cache: how long a replica chosen for a request counts as holding its blocks before its engine's events say so
+KV_CLAIM_S = 10.0
 
 
 class _Policy:
@@ -127,10 +135,87 @@ class _AdapterAffinity:
         return chosen, outcome
 
 
+class _KVCache(_Policy):
+    """To the replica whose engine holds the longest cached prefix of the request's tokens (in GPU memory; a block
+    only in an offload tier counts `cpu_block_credit`), unless it is `imbalance` requests busier than the least
+    loaded one. What each engine holds comes from its KV events (`kv_follow.KVFollower`); between a decision and the
+    engine's events for it (the prefill), the chosen replica is taken to hold the request's blocks for `CLAIM_S`, so
+    a burst of one new prefix is not spread before its first prefill ends."""
+
+    name = "kv_cache"
+    CLAIM_S = KV_CLAIM_S
+
+    def __init__(
+        self,
+        tokenizer: str | None = None,
+        chat_template: str | None = None,
+        imbalance: int = routing.DEFAULT_IMBALANCE,
+        cpu_block_credit: float = DEFAULT_CPU_CREDIT,
+        max_tracked: int = routing.DEFAULT_MAX_TRACKED,
+    ):
+        super().__init__(max_tracked)
+        self.tokens = PromptTokens(tokenizer, chat_template)
+        self.follower = KVFollower()
+        self.imbalance, self.cpu_credit, self.max_tracked = imbalance, cpu_block_credit, max_tracked
+        self._claims: dict[int, tuple[str, float]] = {}  # content hash -> (replica, until)
+
+    async def route(
+        self,
+        request: HTTPRequest | None,
+        loads: routing.Loads,
+        rng: random.Random,
+        replicas: list[RunningReplica],
+        lora: str | None = None,
+    ) -> tuple[str, str] | None:
+        """(replica, outcome) by cached prefix; None when the request has no prompt to route on or no replica's
+        blocks are known yet (then: by load)."""
+        self.follower.follow({r.replica_id.unique_id: r.replica_id.to_full_id_str() for r in replicas})
+        block_size = self.follower.block_size()
+        if request is None or block_size is None:
+            return None
+        found = await self.tokens.of(routing.request_body(request.body))
+        if found is None:
+            return None
+        tokens, cut = found
+        hashes = chain(tokens, block_size, lora)
+        if cut and hashes:
+            hashes.pop()  # its tokens were cut at the character limit
+        if not hashes:
+            return None
+        now = time.monotonic()
+        held = {}
+        for rid in loads:
+            view = self.follower.views.get(rid)
+            credit = view.held(hashes, self.cpu_credit) if view is not None else 0.0
+            held[rid] = max(credit, self._claimed(hashes, rid, now))
+        chosen, outcome, _ = choose(held, loads, self.imbalance, rng)
+        self._claim(hashes, chosen, now)
+        return chosen, outcome
+
+    def _claimed(self, hashes: list[int], replica: str, now: float) -> float:
+        n = 0
+        for h in hashes:
+            owner = self._claims.get(h)
+            if owner is None or owner[0] != replica or owner[1] < now:
+                break
+            n += 1
+        return float(n)
+
+    def _claim(self, hashes: list[int], replica: str, now: float) -> None:
+        if len(self._claims) + len(hashes) > self.max_tracked:
+            self._claims = {h: c for h, c in self._claims.items() if c[1] >= now}
+            if len(self._claims) + len(hashes) > self.max_tracked:
+                self._claims.clear()
+        until = now + self.CLAIM_S
+        for h in hashes:
+            self._claims[h] = (replica, until)
+
+
 _POLICIES: dict[str, type[_Policy]] = {
     "least_load": _LeastLoad,
     "prefix_affinity": _PrefixAffinity,
     "session_affinity": _SessionAffinity,
+    "kv_cache": _KVCache,
 }
 
 
@@ -187,8 +272,20 @@ class _SummitRouter(RequestRouter):
         loads = await self._loads(candidate_replicas)
         started = time.time()
         if model is not None and any(model in r.routing_stats.get("adapters", ()) for r in candidate_replicas):
-            key, policy = model, self._adapters  # a LoRA adapter: to a replica that has it loaded
-            chosen, outcome = policy.decide(model, loads, candidate_replicas)
+            # a LoRA adapter: by its own cached blocks where its model routes by KV cache, else to a replica that has
+            # it loaded
+            key, base = model, self._policy(_base_model(model, candidate_replicas))
+            found = None
+            if isinstance(base, _KVCache):
+                found = await base.route(request, loads, self._rng, candidate_replicas, lora=model)
+            if found is not None and found[1] != "new":
+                policy, (chosen, outcome) = base, found
+            else:
+                policy = self._adapters
+                chosen, outcome = policy.decide(model, loads, candidate_replicas)
+        elif isinstance(policy, _KVCache):
+            found = await policy.route(request, loads, self._rng, candidate_replicas)
+            key, (chosen, outcome) = None, found or (routing.power_of_two(loads, self._rng), "least_load")
         else:
             key = None if request is None else policy.key(request, pending_request)
             chosen, outcome = policy.decide_why(key, loads, self._rng)
@@ -231,6 +328,8 @@ class _SummitRouter(RequestRouter):
         alive = [rid.unique_id for rid in self._replica_id_set]
         for policy in self._policies.values():
             policy.table.forget_replicas(alive)
+            if isinstance(policy, _KVCache):
+                policy.follower.forget(alive)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
@@ -247,6 +346,12 @@ def _http_request(pending_request: PendingRequest | None) -> HTTPRequest | None:
     if pending_request is None:
         return None
     return next((a for a in pending_request.args if isinstance(a, HTTPRequest)), None)
+
+
+def _base_model(adapter: str, replicas: list[RunningReplica]) -> str | None:
+    """The model whose replicas serve LoRA adapter `adapter`."""
+    serving = (r for r in replicas if adapter in r.routing_stats.get("adapters", ()))
+    return next((r.routing_stats.get("model") for r in serving), None)
 
 
 def same_model(replicas: list[RunningReplica], model: str | None) -> list[RunningReplica]:
@@ -285,6 +390,12 @@ class SessionAffinityRouter(_OnePolicyRouter):
     policy = _SessionAffinity
 
 
+class KVCacheRouter(_OnePolicyRouter):
+    """To the replica whose engine holds the longest cached prefix of the request's tokens, unless overloaded."""
+
+    policy = _KVCache
+
+
 class ModelPolicyRouter(_SummitRouter):
     """A deployment hosting several models (the direct path's pool): each model's requests keep to its replicas and
     go by that model's own policy, e.g. one model prefix_affinity, another session_affinity."""
@@ -301,6 +412,7 @@ _ROUTERS: dict[str, tuple[type[_OnePolicyRouter], set[str]]] = {
     "least_load": (_OnePolicyRouter, {"max_tracked"}),  # Serve's own router on a one-model deployment
     "prefix_affinity": (PrefixAffinityRouter, {"prefix_chars", "imbalance", "max_tracked"}),
     "session_affinity": (SessionAffinityRouter, {"max_tracked"}),
+    "kv_cache": (KVCacheRouter, {"imbalance", "max_tracked", "tokenizer", "chat_template", "cpu_block_credit"}),
 }
 _ALL_KWARGS = set().union(*(accepted for _, accepted in _ROUTERS.values()))
 

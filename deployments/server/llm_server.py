@@ -14,6 +14,8 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+import ray
+
 from app.config import ModelConfig
 from deployments import engine
 from deployments.http.asgi import stream_asgi
@@ -24,8 +26,16 @@ from deployments.server.batch_lines import BatchLines, LineAnswer
 from deployments.server.config import ServerConfig
 from deployments.server.front_host import FrontHost
 from deployments.server.front_process import FrontProcesses
+from deployments.server.kv_events import start_kv_events
 from deployments.server.pool import pool_model_index
-from deployments.server.startup import LoadProgress, replica_id, replica_rank, serve_log_file_kept, warm_up
+from deployments.server.startup import (
+    LoadProgress,
+    replica_full_id,
+    replica_id,
+    replica_rank,
+    serve_log_file_kept,
+    warm_up,
+)
 
 logger = logging.getLogger("ray.serve")
 # How long a replica whose engine died stays up (healthy to Serve) while it relays resumed streams.
@@ -46,7 +56,13 @@ class LLMServer(FrontHost):
         monitoring = config.monitoring
         metrics.enable(monitoring.metrics)
         self._metrics = metrics.ReplicaMetrics(model.name, self._replica_id)
-        self._engine_app = await self._start_engine(model, source)
+        self._kv_events = None  # routing.policy kv_cache: the actor indexing its engine's KV events (kv_events.py)
+        kv_sockets = None
+        if model.routing.policy == "kv_cache":
+            self._kv_events, kv_sockets = await start_kv_events(replica_full_id())
+        self._engine_app = await self._start_engine(model, source, kv_sockets)
+        if self._kv_events is not None:
+            await self._kv_events.set_block_size.remote(engine.kv_block_size(self._engine_app.engine))
         self._tracing = Tracing(monitoring.tracing)
         self._build_front(self._replica_id, model.front_processes)
         self._batch = BatchLines(
@@ -63,11 +79,13 @@ class LLMServer(FrontHost):
         if monitoring.metrics:
             self._engine_metrics = metrics.EngineMetricsBridge(engine.engine_metric_samples, self._replica_id).start()
 
-    async def _start_engine(self, model: ModelConfig, source: str):
-        """vLLM's engine and OpenAI app for `model`, warmed up: the replica is ready once its engine answered."""
+    async def _start_engine(self, model: ModelConfig, source: str, kv_sockets: tuple[str, str] | None = None):
+        """vLLM's engine and OpenAI app for `model`, warmed up: the replica is ready once its engine answered.
+        `kv_sockets`: where the engine publishes its KV events."""
         warmup = self._config.monitoring.warmup
         with serve_log_file_kept(), LoadProgress(self._metrics, model.name):
-            args = engine.serve_namespace(source, model.name, engine.engine_args(model), model.frontend_kwargs)
+            kwargs = engine.engine_args(model, kv_sockets)
+            args = engine.serve_namespace(source, model.name, kwargs, model.frontend_kwargs)
             logger.info("Starting vLLM %s for %s from %s", engine.vllm_version(), model.name, source)
             self._metrics.load_stage("engine")
             engine_app = await engine.start_engine_app(
@@ -150,6 +168,8 @@ class LLMServer(FrontHost):
             "generation_tokens": engine.generation_tokens(),
             # its extra front processes (models[].front_processes), each as its own process: pid, generated tokens
             "fronts": await self._fronts.stats() if self._fronts is not None else [],
+            # routing.policy kv_cache: the blocks indexed from the engine's KV events
+            "kv_events": await self._kv_events.stats.remote() if self._kv_events is not None else None,
         }
 
     async def adapters(self) -> dict:
@@ -173,3 +193,7 @@ class LLMServer(FrontHost):
         if engine_app is not None:
             engine.shutdown_engine(engine_app.engine)
             self._engine_app = None
+        kv_events = getattr(self, "_kv_events", None)
+        if kv_events is not None:
+            ray.kill(kv_events)
+            self._kv_events = None

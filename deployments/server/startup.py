@@ -123,3 +123,11 @@ def replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (unit tests)
         return f"local-{os.getpid()}"
+
+
+def replica_full_id() -> str:
+    """The replica's full id (`SERVE_REPLICA::<app>#<deployment>#<id>`), as routers name it."""
+    try:
+        return serve.get_replica_context().replica_id.to_full_id_str()
+    except Exception:  # outside a Serve replica (unit tests)
+        return f"local-{os.getpid()}"

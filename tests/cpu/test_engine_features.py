@@ -1,7 +1,8 @@
 """Engine features switched on in the YAML, on real engines, through the official `openai` client: LoRA adapters
 (each an OpenAI model, loaded on first use, routed to a replica that has it loaded), structured output, tool calls
-(Llama 3.1's JSON format: the shipped chat template and vLLM's llama3_json parser), quantization, and the model families
-`summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts).
+(Llama 3.1's JSON format: the shipped chat template and vLLM's llama3_json parser), quantization, the model families
+`summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts), and routing on what each
+engine caches (`routing.policy: kv_cache`, beside several models and LoRA adapters).
 
 One app for all of them, to keep CI's cost to one deploy: on the direct path, 2 replicas of the tiny Llama with two
 tiny adapters and one replica of each other family. API keys are on, as adapters loaded at run time (vLLM's
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import httpx
 import jsonschema
@@ -19,7 +21,8 @@ import openai
 import pytest
 
 from app.clusters.tiny_model import make_tiny_lora, make_tiny_model
-from tests.cpu.engine_apps import APP, deployed, running_replicas, serve_log_matches, tiny_model, wait_for
+from deployments.routing.routers import KV_CLAIM_S
+from tests.cpu.engine_apps import APP, deployed, document, running_replicas, serve_log_matches, tiny_model, wait_for
 from tests.replica_probe import probe
 
 MODEL = "tiny-feat"
@@ -54,7 +57,9 @@ def features_app(tiny_model_dir, tmp_path_factory):
         "tool_call_parser": "llama3_json",
         "chat_template": "serve_configs/templates/llama3.1-json-tools.jinja",
     }  # found in Summit's directory
-    model = tiny_model(MODEL, engine, {"num_replicas": 2}, lora=lora, frontend_kwargs=tools)
+    model = tiny_model(
+        MODEL, engine, {"num_replicas": 2}, lora=lora, frontend_kwargs=tools, routing={"policy": "kv_cache"}
+    )
     families = [
         tiny_model(
             f"tiny-{arch}",
@@ -113,6 +118,24 @@ def test_an_adapters_requests_stay_on_a_replica_that_loaded_it(client):
     land on one); by adapter they stay where the adapter was first loaded."""
     replicas = {name: [complete(client, name, prompt=f"request {i}")[1] for i in range(8)] for name in ADAPTERS}
     assert all(len(set(chosen)) == 1 for chosen in replicas.values()), replicas
+
+
+def test_kv_cache_routing_sends_a_document_back_to_the_replica_that_cached_it(features_app, client):
+    """The model routes by `kv_cache`: a document's first request goes where load puts it (every replica idle: either
+    of two); once the router's own claim has lapsed, so that only the engines' KV events can tell, each follow-up
+    (the document and a question) goes to that replica, whose index holds the document's blocks. By load alone 12
+    follow-ups would all find their document's replica 1 time in 4,096."""
+    docs = [document(i, words=300, title="Cached") for i in range(6)]
+    homes = [complete(client, MODEL, prompt=doc)[1] for doc in docs]
+    time.sleep(KV_CLAIM_S + 1)
+    again = [[complete(client, MODEL, prompt=doc + f"Question {q}: why?")[1] for q in range(2)] for doc in docs]
+    assert again == [[home, home] for home in homes], (homes, again)
+    stats = probe(features_app.address, "each", APP, POOL, "stats", "--replicas", str(3 + len(ARCHS)))
+    indexed = {r: s["kv_events"] for r, s in stats.items() if s["model"] == MODEL}
+    assert len(indexed) == 2 and all(i is not None and i["gaps"] == 0 for i in indexed.values()), indexed
+    assert all(indexed[home]["blocks"] >= 3 for home in homes), indexed  # ~460 tokens: 3 blocks of 128 each
+    others = [s for r, s in stats.items() if s["model"] != MODEL]
+    assert all(s["kv_events"] is None for s in others)  # least_load models publish nothing
 
 
 def test_an_unknown_adapter_is_a_404(client):

@@ -333,3 +333,24 @@ def test_vllm_engine_arg_types_are_kept_per_install_and_read_without_importing_v
     types = second["types"]
     assert types["max_num_seqs"] == "int | None" and types["enforce_eager"] == "<class 'bool'>"  # vLLM 0.32's
     assert types["compilation_config"] == "None"  # a vLLM class: left to vLLM
+
+
+def test_kv_cache_routing_needs_the_prefix_cache_and_sets_the_kv_events_itself():
+    kv = {"routing": {"policy": "kv_cache"}}
+    off = error_text({"models": [model(**kv, engine_kwargs={"enable_prefix_caching": False})]})
+    assert "engine_kwargs.enable_prefix_caching" in off and "kv_cache" in off
+    own = {"enable_kv_cache_events": True, "publisher": "zmq"}
+    taken = error_text({"models": [model(**kv, engine_kwargs={"kv_events_config": own})]})
+    assert "engine_kwargs.kv_events_config" in taken and "remove the key" in taken
+    prefill = {
+        "disaggregation": {
+            "connector": "shared_storage",
+            "prefill": {"routing": {"policy": "kv_cache"}, "engine_kwargs": {"enable_prefix_caching": False}},
+        }
+    }
+    assert "disaggregation.prefill.engine_kwargs.enable_prefix_caching" in error_text({"models": [model(**prefill)]})
+    # the router gets the model's tokenizer (the source, or engine_kwargs.tokenizer) and chat template
+    cfg = load_config({"models": [model(**kv, engine_kwargs={"tokenizer": "/tok"})]})
+    router = llm_deployment_options(cfg.models[0])["request_router_config"]
+    assert router["request_router_class"] == "deployments.routing.routers.KVCacheRouter"
+    assert router["request_router_kwargs"]["tokenizer"] == "/tok"

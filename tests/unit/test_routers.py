@@ -305,3 +305,81 @@ def test_same_model_knows_a_models_adapters():
 
     a, b = (SimpleNamespace(routing_stats=s) for s in ({"model": "a", "adapters": ["a-sql"]}, {"model": "b"}))
     assert same_model([a, b], "a-sql") == [a]
+
+
+def kv_router(tmp_path, replicas, policies=None, **kwargs):
+    """A kv_cache router (ModelPolicyRouter when `policies` is given) whose replicas' cached blocks the test sets
+    (`views`) instead of their KV events actors (which need Ray: tests/cpu/test_engine_features.py)."""
+    from app.clusters.tiny_model import make_tiny_model
+    from deployments.routing.kv_blocks import BlockView
+
+    model = make_tiny_model(tmp_path / "tok")
+    if policies is not None:
+        for options in policies.values():
+            if options["policy"] == "kv_cache":
+                options["tokenizer"] = str(model)
+        router = make_router(ModelPolicyRouter, replicas, policies=policies)
+    else:
+        from deployments.routing.routers import KVCacheRouter
+
+        router = make_router(KVCacheRouter, replicas, tokenizer=str(model), **kwargs)
+    kv = next(p for p in router._policies.values() if p.name == "kv_cache")
+    kv.follower.follow = lambda replicas: None
+    kv.CLAIM_S = 0.0  # decisions by the engines' blocks alone
+
+    from transformers import AutoTokenizer
+
+    from deployments.routing.kv_blocks import chain
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+
+    def hold(replica: FakeReplica, prompt: str, lora: str | None = None) -> None:
+        view = kv.follower.views.setdefault(replica.replica_id.unique_id, BlockView())
+        view.block_size = 16
+        view.gpu |= set(chain(tokenizer(prompt)["input_ids"], 16, lora))
+
+    return router, hold
+
+
+DOC = " ".join(f"Line {i}: the north ridge holds its snow until June." for i in range(30))
+
+
+def completion(prompt: str, model: str | None = None) -> PendingRequest:
+    p = pending({"model": model, "prompt": prompt} if model else {"prompt": prompt})
+    p.args[0].model = model
+    return p
+
+
+def test_kv_cache_sends_a_prompt_to_the_replica_holding_its_longest_prefix(tmp_path):
+    async def scenario():
+        a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+        router, hold = kv_router(tmp_path, [a, b, c], imbalance=4)
+        hold(a, DOC[: len(DOC) // 3])
+        hold(b, DOC)  # b holds the longer prefix
+        first = [await route(router, completion(DOC + f" Question {q}?")) for q in range(4)]
+        set_load(router, b, 5)  # 5 above the least loaded: past the imbalance, b loses its claim to a
+        spilled = await route(router, completion(DOC + " Another?"))
+        set_load(router, b, 0)
+        new = {await route(router, completion(f"Unrelated {i} " * 40)) for i in range(30)}
+        return first, spilled, new
+
+    first, spilled, new = asyncio.run(scenario())
+    assert first == ["b"] * 4
+    assert spilled == "a"
+    assert new == {"a", "b", "c"}  # nothing cached anywhere: by load (all idle: any)
+
+
+def test_kv_cache_keeps_a_lora_adapters_blocks_its_own(tmp_path):
+    async def scenario():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        for r in (a, b):
+            r.routing_stats = {"model": "m", "adapters": ["m-sql"], "loaded": ["m-sql"]}
+        router, hold = kv_router(tmp_path, [a, b], policies={"m": {"policy": "kv_cache"}})
+        hold(a, DOC)  # the base model's blocks of DOC
+        hold(b, DOC, lora="m-sql")  # the adapter's
+        base = [await route(router, completion(DOC + f" Q{q}", "m")) for q in range(3)]
+        adapter = [await route(router, completion(DOC + f" Q{q}", "m-sql")) for q in range(3)]
+        return base, adapter
+
+    base, adapter = asyncio.run(scenario())
+    assert base == ["a"] * 3 and adapter == ["b"] * 3
