@@ -1,20 +1,22 @@
-"""Does prefix affinity pay? Power-of-two (least_load) vs prefix_affinity on the same shared-prefix workload, one run.
+"""Does routing on the cache pay? Power-of-two (least_load), prefix_affinity and kv_cache on the same loads, one run.
 
-    python bench/routing.py                          # tiny model on CPU, 8 system prompts x 16 questions,
-                                                     # 2 replicas each
+    python bench/routing.py                          # tiny model on CPU, 2 replicas per policy, both loads
+    python bench/routing.py --loads shared           # the shared-prefix load only
     python bench/routing.py --kv-cache-tokens 65536  # a cache that holds every prefix on every replica
 
-One app serves the same model twice, `p2c` (Serve's power-of-two choices) and `affinity` (PrefixAffinityRouter),
-2 replicas each (4 engines). Each policy gets the same requests in the same order: every request is one of
-`--systems` system prompts (≥ 256 tokens each) followed by a short question, streamed at `--concurrency`.
-Prints, per policy, vLLM's own prefix-cache hit rate (`vllm:prefix_cache_hits / queries`, summed over the
-replicas, read from Ray's metrics endpoint), TTFT p50/p99, output tok/s and how requests split over
-replicas; then affinity's ratios to p2c. Not a test: nothing is asserted.
-
-The default KV cache (`--kv-cache-tokens`) is sized so one replica holds about two thirds of the system prompts: the
-case that matters in production, where the prompts in use outnumber what one replica's cache keeps. Under p2c
-every replica sees every prompt and evicts; under affinity each sees half of them. With a cache that holds
-everything, p2c only misses each prompt once per replica and the difference shrinks to those misses.
+One app serves the same model three times, `p2c` (Serve's power-of-two choices), `affinity` (PrefixAffinityRouter) and
+`kv` (KVCacheRouter: the engines' own KV events), 2 replicas each (6 engines). Each policy gets the same requests in
+the same order: every request is one system prompt (≥ 256 tokens) followed by a short question, streamed at
+`--concurrency`. Two loads, each with system prompts of its own:
+- `shared`: `--systems` prompts × `--questions` questions; the default KV cache (`--kv-cache-tokens`) holds about two
+  thirds of the prompts on one replica — the case that matters in production, where the prompts in use outnumber
+  what one replica's cache keeps;
+- `overflow`: `--overflow-systems` prompts × `--overflow-questions` questions, which overflow each replica's cache
+  several times over.
+Prints, per load and policy, vLLM's own prefix-cache hit rate (`vllm:prefix_cache_hits / queries`, summed over the
+replicas, read from Ray's metrics endpoint), TTFT p50/p99, output tok/s and how requests split over replicas; then
+the ratios to p2c. With `--rounds N` each load runs N rounds, the policies' order alternating, and medians are
+reported. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -39,16 +41,16 @@ from tests.ray_metrics import scrape, settled, total  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 APP = "summit"
-POLICIES = {"p2c": "least_load", "affinity": "prefix_affinity"}
+POLICIES = {"p2c": "least_load", "affinity": "prefix_affinity", "kv": "kv_cache"}
 
 
-def system_prompts(n: int, words: int) -> list[str]:
+def system_prompts(n: int, words: int, seed: int = 1000) -> list[str]:
     """Distinct system prompts, different from their first characters on (the router keys on the leading block)."""
     from app.clusters.tiny_model import _WORDS
 
     out = []
     for i in range(n):
-        rng = random.Random(1000 + i)
+        rng = random.Random(seed + i)
         out.append(
             f"System prompt {i}. You answer as assistant number {i}. "
             + " ".join(rng.choice(_WORDS) for _ in range(words))
@@ -161,23 +163,43 @@ def measure(cluster: LocalCluster, ns: argparse.Namespace, model: str, prompts: 
     }
 
 
+def median_row(runs: list[dict]) -> dict:
+    """One policy's rounds on one load: the median of each figure."""
+    import statistics
+
+    keys = ("out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "hit_rate", "errors")
+    rows = [{**f["result"].row(), "hit_rate": f["hit_rate"]} for f in runs]
+    return {
+        **{k: statistics.median(r[k] for r in rows) for k in keys},
+        "concurrency": rows[0]["concurrency"],
+        "requests": rows[0]["requests"],
+        "rounds": len(rows),
+        "hit_rates": [round(r["hit_rate"], 4) for r in rows],
+        "requests_per_replica": [f["replicas"] for f in runs],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", help="model dir (default: make the tiny model)")
-    p.add_argument("--systems", type=int, default=8, help="distinct system prompts")
+    p.add_argument("--loads", nargs="+", choices=("shared", "overflow"), default=["shared", "overflow"])
+    p.add_argument("--systems", type=int, default=8, help="shared load: distinct system prompts")
     p.add_argument(
         "--system-words",
         type=int,
         default=330,
         help="words per system prompt (≈ 1.5 tokens each on the tiny tokenizer)",
     )
-    p.add_argument("--questions", type=int, default=16, help="questions per system prompt")
+    p.add_argument("--questions", type=int, default=16, help="shared load: questions per system prompt")
+    p.add_argument("--overflow-systems", type=int, default=32, help="overflow load: distinct system prompts")
+    p.add_argument("--overflow-questions", type=int, default=4, help="overflow load: questions per system prompt")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--replicas", type=int, default=2, help="replicas per policy")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-tokens", type=int, default=2816, help="KV cache per replica, in tokens")
+    p.add_argument("--rounds", type=int, default=1, help="rounds per load (policies' order alternating)")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
@@ -187,69 +209,80 @@ def main() -> None:
         from app.clusters.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama"))
-    systems = system_prompts(ns.systems, ns.system_words)
-    prompts = workload(systems, ns.questions)
+    shapes = {
+        "shared": (ns.systems, ns.questions, 1000),
+        "overflow": (ns.overflow_systems, ns.overflow_questions, 5000),
+    }
 
-    cluster = LocalCluster(num_cpus=4, env={"SUMMIT_TINY_MODEL": model_dir})
+    cluster = LocalCluster(num_cpus=6, env={"SUMMIT_TINY_MODEL": model_dir})
+    figures: dict[str, dict[str, dict]] = {}
+    described: dict[str, dict] = {}
     try:
         t0 = time.monotonic()
         cluster.start()
         cluster.serve_deploy(app_config(ns, model_dir), timeout_s=ns.start_timeout)
-        print(f"4 engines ready in {time.monotonic() - t0:.0f} s", flush=True)
-        tokens = [
-            len(
-                httpx.post(cluster.base_url + "/tokenize", json={"model": "p2c", "prompt": s}, timeout=60).json()[
-                    "tokens"
+        print(f"{len(POLICIES) * ns.replicas} engines ready in {time.monotonic() - t0:.0f} s", flush=True)
+        for load in ns.loads:
+            n_systems, questions, seed = shapes[load]
+            runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
+            for round_ in range(ns.rounds):
+                systems = system_prompts(n_systems, ns.system_words, seed + 100_000 * round_)
+                prompts = workload(systems, questions, seed=round_)
+                tokens = [
+                    len(
+                        httpx.post(
+                            cluster.base_url + "/tokenize", json={"model": "p2c", "prompt": s}, timeout=60
+                        ).json()["tokens"]
+                    )
+                    for s in systems
                 ]
-            )
-            for s in systems
-        ]
-        print(
-            f"{ns.systems} system prompts of {min(tokens)}-{max(tokens)} tokens x {ns.questions} questions = "
-            f"{len(prompts)} requests at concurrency {ns.concurrency}; KV cache {ns.kv_cache_tokens} tokens "
-            f"per replica = {ns.kv_cache_tokens / sum(tokens):.0%} of all system prompts",
-            flush=True,
-        )
-        figures = {name: measure(cluster, ns, name, prompts) for name in POLICIES}
+                described[load] = {
+                    "system_prompts": n_systems,
+                    "questions": questions,
+                    "requests": len(prompts),
+                    "system_prompt_tokens": [min(tokens), max(tokens)],
+                    "cache_share": round(ns.kv_cache_tokens / sum(tokens), 3),
+                }
+                print(
+                    f"{load} round {round_ + 1}: {n_systems} system prompts of {min(tokens)}-{max(tokens)} tokens x "
+                    f"{questions} questions = {len(prompts)} requests at concurrency {ns.concurrency}; KV cache "
+                    f"{ns.kv_cache_tokens} tokens per replica = {ns.kv_cache_tokens / sum(tokens):.0%} of all system "
+                    "prompts",
+                    flush=True,
+                )
+                order = list(POLICIES) if round_ % 2 == 0 else list(reversed(POLICIES))
+                for name in order:
+                    runs[name].append(measure(cluster, ns, name, prompts))
+            figures[load] = {name: median_row(r) for name, r in runs.items()}
     finally:
         cluster.stop()
 
-    print(
-        f"\n{'policy':<10}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'tok/s':>9}{'errors':>8}"
-        "  requests per replica"
-    )
-    for name, f in figures.items():
-        r = f["result"]
+    for load, by_policy in figures.items():
         print(
-            f"{name:<10}{f['hit_rate']:>10.1%}{r.ttft_pct(50) * 1e3:>13.1f}{r.ttft_pct(99) * 1e3:>13.1f}"
-            f"{r.tok_per_s:>9.1f}{r.errors:>8}  {f['replicas']}"
+            f"\n{load}: {described[load]}\n{'policy':<10}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}"
+            f"{'tok/s':>9}{'errors':>8}  requests per replica"
         )
-    a, b = figures["affinity"], figures["p2c"]
-    print(
-        f"affinity / p2c: hit rate {a['hit_rate'] / b['hit_rate']:.2f}x, "
-        f"TTFT p50 {a['result'].ttft_pct(50) / b['result'].ttft_pct(50):.2f}x, "
-        f"TTFT p99 {a['result'].ttft_pct(99) / b['result'].ttft_pct(99):.2f}x"
-    )
-    if ns.json:
-        Path(ns.json).write_text(
-            json.dumps(
-                {
-                    "args": vars(ns),
-                    "system_prompt_tokens": tokens,
-                    "policies": {
-                        n: {
-                            **f["result"].row(),
-                            "hit_rate": f["hit_rate"],
-                            "queries": f["queries"],
-                            "hits": f["hits"],
-                            "requests_per_replica": f["replicas"],
-                        }
-                        for n, f in figures.items()
-                    },
-                },
-                indent=2,
+        for name, f in by_policy.items():
+            print(
+                f"{name:<10}{f['hit_rate']:>10.1%}{f['ttft_p50_ms']:>13.1f}{f['ttft_p99_ms']:>13.1f}"
+                f"{f['out_tok_s']:>9.1f}{f['errors']:>8}  {f['requests_per_replica']}"
             )
-        )
+        b = by_policy["p2c"]
+        for name in ("affinity", "kv"):
+            a = by_policy[name]
+            print(
+                f"{name} / p2c: hit rate {a['hit_rate'] / b['hit_rate']:.2f}x, "
+                f"TTFT p50 {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x, "
+                f"TTFT p99 {a['ttft_p99_ms'] / b['ttft_p99_ms']:.2f}x, "
+                f"tok/s {a['out_tok_s'] / b['out_tok_s']:.2f}x"
+            )
+    if ns.json:
+        rows = [
+            {"peer": f"{POLICIES[name]}", "load": load, **f}
+            for load, by_policy in figures.items()
+            for name, f in by_policy.items()
+        ]
+        Path(ns.json).write_text(json.dumps({"args": vars(ns), "loads": described, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

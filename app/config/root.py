@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from app.config.autoscaling import LATENCY_POLICY
 from app.config.batch import BatchOptions
 from app.config.model import ModelConfig
 from app.config.monitoring import MonitoringOptions
@@ -44,6 +45,14 @@ class SummitConfig(Strict):
                 "(anyone could load code-bearing files otherwise). Fix: add `auth: {api_keys_env: "
                 "SUMMIT_API_KEYS}` (or api_keys_file), or remove runtime_loading"
             )
+        if not self.monitoring.metrics:
+            for m in self.models:
+                policy = (m.serve_autoscaling_config() or {}).get("policy") or {}
+                if isinstance(policy, dict) and policy.get("policy_function") == LATENCY_POLICY:
+                    raise ValueError(
+                        f"models[{m.name!r}].deployment.autoscaling_config.policy: latency targets are read from "
+                        "vLLM's metrics; set `monitoring: {metrics: true}` or drop the targets"
+                    )
         return self
 
     @property

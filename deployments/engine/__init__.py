@@ -46,6 +46,7 @@ from deployments.engine.metrics import (
     engine_metric_samples,
     generation_tokens,
     kv_cache_usage,
+    latency_buckets,
 )
 from deployments.engine.platform import CPU_RAY_PLATFORM_ENV, cpu_ray_platform
 from deployments.engine.serving import answer_in_process
@@ -80,6 +81,7 @@ __all__ = [
     "generation_tokens",
     "kv_block_size",
     "kv_cache_usage",
+    "latency_buckets",
     "kv_connector",
     "kv_connector_names",
     "kv_transfer_config",

@@ -40,6 +40,7 @@ async def start_engine_app(args: Namespace, metrics: bool = True, clients: int =
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     _use_replica_placement_group(vllm_config)
     _own_kv_side_channel(vllm_config)
+    _offload_tier_events(vllm_config)
     _fork_workers_in_the_core(vllm_config)
     _cpu_spinners_sleep()
     log_stats = not (engine_args.disable_log_stats or not metrics)
@@ -129,6 +130,18 @@ async def _openai_app(engine, args: Namespace):
         engine.shutdown()
         raise
     return app
+
+
+def _offload_tier_events(vllm_config) -> None:
+    """With KV events on (kv_cache routing) and vLLM's native CPU offload (`kv_offloading_size`: its
+    OffloadingConnector), have the connector publish its CPU tier's blocks as whole `BlockStored` events (tokens and
+    parent, medium CPU), which the routers' index can name; without it they carry no tokens."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if events is None or not events.enable_kv_cache_events or kv is None:
+        return
+    if kv.kv_connector == "OffloadingConnector":
+        kv.kv_connector_extra_config["self_describing_kv_events"] = True
 
 
 def _own_kv_side_channel(vllm_config, env: dict | None = None) -> None:

@@ -38,3 +38,27 @@ def generation_tokens() -> int | None:
 
     values = [m.value for m in get_metrics_snapshot() if isinstance(m, Counter) and m.name == "vllm:generation_tokens"]
     return sum(values) if values else None
+
+
+# vLLM's latency histograms that latency-target autoscaling reads (deployments/observability/slo.py)
+LATENCY_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "tpot": "vllm:inter_token_latency_seconds"}
+
+
+def latency_buckets() -> dict[str, dict[float, int]]:
+    """This process's engine's time-to-first-token and inter-token latency histograms, as cumulative counts per
+    bucket upper bound in seconds (`+Inf` as math.inf), summed over their label sets; empty with metrics off."""
+    import math
+
+    from vllm.v1.metrics.reader import Histogram, get_metrics_snapshot
+
+    wanted = {name: key for key, name in LATENCY_HISTOGRAMS.items()}
+    out: dict[str, dict[float, int]] = {}
+    for metric in get_metrics_snapshot():
+        key = wanted.get(metric.name)
+        if key is None or not isinstance(metric, Histogram):
+            continue
+        buckets = out.setdefault(key, {})
+        for le, count in metric.buckets.items():
+            bound = math.inf if le in ("+Inf", "inf") else float(le)
+            buckets[bound] = buckets.get(bound, 0) + count
+    return out

@@ -65,7 +65,7 @@ class ReplicaBlocks:
         self.epoch = random.getrandbits(62)  # a new index: followers start from a snapshot
         self.block_size: int | None = None
         self._names: dict[Any, int] = {}  # engine hash -> content hash
-        self._held: OrderedDict[int, set[str]] = OrderedDict()  # content hash -> media, oldest first
+        self._held: OrderedDict[int, dict[str, int]] = OrderedDict()  # content hash -> {medium: announcements}
         self._engine_hash: dict[int, Any] = {}  # content hash -> engine hash (to drop a bounded-out block's name)
         self._log: list[tuple[int, int, str]] = []  # (+1 | -1, content hash, medium)
         self._log_start = 0  # sequence number of _log[0]
@@ -112,11 +112,12 @@ class ReplicaBlocks:
             self._engine_hash[parent] = _key(engine_hash)
             media = self._held.get(parent)
             if media is None:
-                media = self._held[parent] = set()
+                media = self._held[parent] = {}
             else:
                 self._held.move_to_end(parent)
-            if medium not in media:
-                media.add(medium)
+            # counted: vLLM's offload tiers announce a block once per chunk that holds it, and remove it as often
+            media[medium] = media.get(medium, 0) + 1
+            if media[medium] == 1:
                 self._record(+1, parent, medium)
         while len(self._held) > self.max_blocks:
             oldest, media = self._held.popitem(last=False)
@@ -129,7 +130,10 @@ class ReplicaBlocks:
         media = self._held.get(content) if content is not None else None
         if media is None or medium not in media:
             return
-        media.discard(medium)
+        media[medium] -= 1
+        if media[medium] > 0:
+            return
+        del media[medium]
         self._record(-1, content, medium)
         if not media:
             del self._held[content]

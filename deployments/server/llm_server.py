@@ -21,6 +21,7 @@ from deployments import engine
 from deployments.http.asgi import stream_asgi
 from deployments.http.protocol import INTERNAL_SCOPE_KEY, HTTPRequest, ResponseStart
 from deployments.observability import metrics
+from deployments.observability.slo import LatencyWindow
 from deployments.observability.tracing import Tracing
 from deployments.server.batch_lines import BatchLines, LineAnswer
 from deployments.server.config import ServerConfig
@@ -56,6 +57,7 @@ class LLMServer(FrontHost):
         monitoring = config.monitoring
         metrics.enable(monitoring.metrics)
         self._metrics = metrics.ReplicaMetrics(model.name, self._replica_id)
+        self._latency = LatencyWindow()
         self._kv_events = None  # routing.policy kv_cache: the actor indexing its engine's KV events (kv_events.py)
         kv_sockets = None
         if model.routing.policy == "kv_cache":
@@ -113,6 +115,12 @@ class LLMServer(FrontHost):
         if adapters is None:
             return {"model": self.model}
         return {"model": self.model, "adapters": sorted(adapters.paths), "loaded": adapters.loaded()}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaling policy reads per replica (custom metrics): the p90 time to first token and
+        inter-token latency of this replica's engine since its last report, in ms (0: none observed), for
+        `autoscaling_config.policy: {ttft_p90_ms, tpot_p90_ms}` (deployments/observability/slo.py)."""
+        return self._latency.report(engine.latency_buckets())
 
     async def handle_http(self, request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
         """Run one HTTP request through the front and vLLM's app; yields a ResponseStart, then body chunks. (A dead

@@ -2,8 +2,9 @@
 replica by the body's model) and prefill/decode disaggregation over vLLM's shared-storage KV connector, on real
 engines, in one app.
 
-Three engines: `tiny-agg` (aggregated) and `tiny-pd` (disaggregated: `LLMServer:tiny-pd:prefill` computes the prompt
-and stores its KV; the decode side, in the app's engine deployment beside tiny-agg, loads it). Both models are the
+Three engines: `tiny-agg` (aggregated) and `tiny-pd` (disaggregated: `LLMServer:tiny-pd:prefill`, routed by
+`kv_cache`, computes the prompt and stores its KV; the decode side, in the app's engine deployment beside tiny-agg,
+loads it). Both models are the
 same tiny model, so at temperature 0 their answers must match token for token. What the decode engine took from the
 connector is read from its own counters (vLLM's external prefix-cache hits and prompt tokens by source), as Ray's
 metrics endpoint exports them for its replica. Prompts are longer than one CPU KV block (128 tokens): shorter ones
@@ -22,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +32,7 @@ import openai
 import pytest
 
 from deployments.observability.watch import PD_PHASES, pd_phase_lines
+from deployments.routing.routers import KV_CLAIM_S
 from tests.cpu import engine_apps
 from tests.cpu.engine_apps import APP, app_config, deployed, deployment_details, tiny_model, wait_for
 from tests.engine_checks import (
@@ -62,7 +65,11 @@ def pd_app(tiny_model_dir, kv_dir):
         tiny_model(
             PD,
             {"max_model_len": MAX_LEN},
-            disaggregation={"connector": "shared_storage", "connector_config": {"shared_storage_path": str(kv_dir)}},
+            disaggregation={
+                "connector": "shared_storage",
+                "connector_config": {"shared_storage_path": str(kv_dir)},
+                "prefill": {"routing": {"policy": "kv_cache"}},
+            },
         ),
     ]
     with deployed(models, tiny_model_dir, haproxy=True) as cluster:
@@ -334,6 +341,24 @@ def test_corrupt_or_missing_stored_kv_is_recomputed(pd_app, http, kv_dir):
 def prefill_stats(cluster) -> dict:
     (stats,) = probe(cluster.address, "each", APP, PREFILL, "stats", "--replicas", "1").values()
     return stats
+
+
+def test_the_prefill_pool_routes_by_what_its_engine_caches(pd_app, http):
+    """The prefill pool routes by `kv_cache`: its replica indexes its engine's KV events (a document's blocks are
+    there once the document was prefilled), and the decode side's router, asking for a prefill replica, finds the
+    document's blocks on it: a kv_cache `hit` for the document's next request (without the index: `new`)."""
+
+    def decisions(outcome: str) -> float:
+        return total(scrape(pd_app), "ray_summit_routing_decisions_total", model=PD, policy="kv_cache", outcome=outcome)
+
+    hits = settled(lambda: decisions("hit"))
+    doc = document(70)  # ~340 tokens: 2 whole blocks of 128
+    assert complete(http, PD, doc).status_code == 200
+    assert wait_for(lambda: prefill_stats(pd_app)["kv_events"]["blocks"] >= 2, 30), prefill_stats(pd_app)
+    assert prefill_stats(pd_app)["kv_events"]["gaps"] == 0
+    time.sleep(KV_CLAIM_S + 1)  # the router's own claim from the first decision has lapsed: only the index can tell
+    assert complete(http, PD, doc + "What does it say?").status_code == 200
+    assert wait_for(lambda: decisions("hit") > hits, 30), "the prefill pool's router did not find the cached blocks"
 
 
 def test_the_prefill_engine_holds_no_kv_once_its_requests_are_decoded(pd_app, http):

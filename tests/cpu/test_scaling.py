@@ -6,10 +6,13 @@ engine's max_num_seqs: 4 -> 3), max_ongoing_requests 4, max_queued_requests 2, o
   returns to 1 when they end.
 - A burst of 16 streams gets OpenAI-shaped 429s at once from the replica's front (none waits unbounded), the rest
   complete, and the model serves again afterwards.
+- Redeployed with a latency target (`policy: {ttft_p90_ms}`), it scales 1 -> 2 on vLLM's measured TTFT under a load
+  Serve's own policy would not scale on, and back to 1 after.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +20,7 @@ import httpx
 import pytest
 
 from app.build.options import FRONT_BOUNDS_ONGOING
+from app.config.autoscaling import LATENCY_POLICY
 from tests.cpu.engine_apps import deployed, deployment_details, running_replicas, tiny_model, wait_for
 from tests.engine_checks import Throttle, model_engine_cores
 
@@ -197,3 +201,53 @@ def test_sustained_4x_overload_is_refused_fast_and_recovers(summit_scaling):
     ]
     assert not died, died[-5:]
     assert replica_actors(summit_scaling, SCALE), "no replica left"  # (it may scale 1 <-> 2 meanwhile)
+
+
+def test_latency_targets_scale_out_past_the_target_and_back_in(summit_scaling, http):
+    """Last in the module (it redeploys the model): `autoscaling_config.policy: {ttft_p90_ms: 300}` scales on the time
+    to first token vLLM measured. Two clients of long unstreamed requests keep 2 ongoing: under the
+    `target_ongoing_requests` of 3 at which Serve's own policy would ask for another replica. But with one sequence
+    at a time in the engine (`max_num_seqs: 1`) each waits for the other's 200 tokens, so vLLM's p90 TTFT is far past
+    300 ms: a second replica starts. Once the load ends the replicas measure nothing and one goes."""
+    config = copy.deepcopy(summit_scaling.serve_config)
+    model = config["applications"][0]["args"]["models"][0]
+    model["engine_kwargs"]["max_num_seqs"] = 1
+    model["deployment"]["autoscaling_config"].update({"target_ongoing_requests": 3, "policy": {"ttft_p90_ms": 300}})
+    summit_scaling.serve_deploy(config)
+    assert wait_for(lambda: len(running_replicas(summit_scaling, DEPLOYMENT)) == 1, 120)
+    policy = deployment_details(summit_scaling, DEPLOYMENT)["deployment_config"]["autoscaling_config"]["policy"]
+    assert policy["policy_function"] == LATENCY_POLICY and policy["policy_kwargs"]["ttft_p90_ms"] == 300, policy
+    cores = model_engine_cores(summit_scaling, SCALE)
+    stop = threading.Event()
+    answered: set[str] = set()
+    errors: list[str] = []
+
+    def keep_loading() -> None:
+        body = {"model": SCALE, "prompt": "Tell a long story.", "max_tokens": 200, "ignore_eos": True}
+        while not stop.is_set():
+            try:
+                r = http.post("/v1/completions", json=body)
+            except httpx.HTTPError as e:
+                errors.append(repr(e))
+                continue
+            if r.status_code == 200:
+                answered.add(r.headers["x-summit-replica"])
+            else:
+                errors.append(f"{r.status_code} {r.text[:200]}")
+
+    with ThreadPoolExecutor(2) as pool:
+        workers = [pool.submit(keep_loading) for _ in range(2)]
+        try:
+            asked = wait_for(lambda: len(deployment_details(summit_scaling, DEPLOYMENT)["replicas"]) == 2, 300, 1)
+            with Throttle(cores, run_s=0.05, period_s=0.25):  # let the new engine start beside the loaded one
+                scaled = asked and wait_for(lambda: len(running_replicas(summit_scaling, DEPLOYMENT)) == 2, 600, 1)
+        finally:
+            stop.set()
+        for w in workers:
+            w.result(timeout=300)
+    assert not errors, f"{len(errors)} requests failed under load, e.g. {errors[:3]}"
+    assert asked, "Serve asked for no second replica within 300 s of a TTFT past its target"
+    assert scaled, "the second replica was not running 600 s after Serve asked for it"
+    assert wait_for(lambda: len(running_replicas(summit_scaling, DEPLOYMENT)) == 1, 180, interval_s=1), (
+        "did not scale back to 1 replica after the load ended"
+    )

@@ -354,3 +354,9 @@ def test_kv_cache_routing_needs_the_prefix_cache_and_sets_the_kv_events_itself()
     router = llm_deployment_options(cfg.models[0])["request_router_config"]
     assert router["request_router_class"] == "deployments.routing.routers.KVCacheRouter"
     assert router["request_router_kwargs"]["tokenizer"] == "/tok"
+
+
+def test_a_cpu_engines_kv_offload_tier_is_refused_naming_the_key():
+    text = error_text({"models": [model(engine_kwargs={"kv_offloading_size": 4})]})
+    assert "engine_kwargs.kv_offloading_size" in text and "GPUs" in text
+    load_config({"models": [model(accelerator="gpu", engine_kwargs={"kv_offloading_size": 4})]})  # a GPU model takes it

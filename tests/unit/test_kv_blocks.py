@@ -100,3 +100,17 @@ def test_choose_prefers_the_longest_cached_prefix_within_the_imbalance():
     assert choose({}, {"a": 2, "b": 1, "c": 1}, 8, rng)[1] == "new"
     assert {choose({}, {"a": 2, "b": 1, "c": 1}, 8, rng)[0] for _ in range(20)} == {"b", "c"}  # least loaded
     assert choose({"a": 2, "b": 2}, {"a": 3, "b": 1, "c": 0}, 8, rng)[:2] == ("b", "hit")  # a tie: less loaded
+
+
+def test_an_offload_tiers_repeated_announcements_are_counted():
+    """vLLM's offloading connector announces a block once per chunk holding it and removes it as often."""
+    blocks, view = ReplicaBlocks(), BlockView()
+    names = chain(list(range(4)), BS)
+    blocks.apply(stored(list(range(4)), [1], medium=CPU))
+    blocks.apply(stored(list(range(4)), [1], medium=CPU))
+    blocks.apply({"type": "BlockRemoved", "block_hashes": [1], "medium": CPU})
+    view.update(blocks.changes(None, 0))
+    assert view.held(names, cpu_credit=0.5) == 0.5  # one announcement left
+    blocks.apply({"type": "BlockRemoved", "block_hashes": [1], "medium": CPU})
+    view.update(blocks.changes(view.epoch, view.seq))
+    assert view.held(names) == 0

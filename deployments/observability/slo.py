@@ -1,0 +1,86 @@
+"""Latency-target autoscaling: `deployment.autoscaling_config.policy: {ttft_p90_ms, tpot_p90_ms}`.
+
+Each replica reports, through Serve's custom autoscaling metrics (`record_autoscaling_stats`), the p90 time to first
+token and inter-token latency its engine measured since its last report (`LatencyWindow`, from vLLM's own
+histograms); Serve's controller averages them over `look_back_period_s` and calls `LatencyTargetPolicy` (Serve's
+custom autoscaling policy hook, a class built once with the YAML's targets). The policy compares the slowest
+replica's p90 with each target: above a target it asks for more replicas (the ratio, at most twice as many), below
+`scale_in_below` of every target (an idle model reports 0) it asks for one fewer, else it keeps the count. Serve
+applies min/max replicas and its upscale/downscale delays around it.
+
+Self-contained (stdlib only): Serve pickles this module by value into its controller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+TARGETS = {"ttft_p90_ms": "ttft", "tpot_p90_ms": "tpot"}  # the YAML's key -> vLLM's histogram (engine/metrics.py)
+# app/config/autoscaling.py names the policy by its import path
+QUANTILE = 0.9
+
+
+def quantile(buckets: Mapping[float, int], q: float = QUANTILE) -> float | None:
+    """The q-quantile of cumulative bucket counts (upper bound -> observations at or below it), interpolated inside
+    its bucket as Prometheus's histogram_quantile does; None without observations. In the open last bucket: its lower
+    bound."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            inside = count - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, count
+    return lower
+
+
+class LatencyWindow:
+    """A replica's p90 latencies since its previous report, from its engine's cumulative histograms."""
+
+    def __init__(self):
+        self._last: dict[str, dict[float, int]] = {}
+
+    def report(self, cumulative: Mapping[str, Mapping[float, int]]) -> dict[str, float]:
+        """{`ttft_p90_ms`, `tpot_p90_ms`}: the window's p90 in ms, 0 where nothing was observed (an idle replica)."""
+        out = {}
+        for key, name in TARGETS.items():
+            now = dict(cumulative.get(name, {}))
+            last = self._last.get(name, {})
+            delta = {b: c - last.get(b, 0) for b, c in now.items()}
+            self._last[name] = now
+            value = quantile(delta)
+            out[key] = round(value * 1000, 3) if value is not None else 0.0
+        return out
+
+
+class LatencyTargetPolicy:
+    """Serve's custom autoscaling policy for latency targets (built once per deployment with the YAML's values)."""
+
+    def __init__(self, ttft_p90_ms: float | None = None, tpot_p90_ms: float | None = None, scale_in_below: float = 0.5):
+        self.targets = {k: v for k, v in (("ttft_p90_ms", ttft_p90_ms), ("tpot_p90_ms", tpot_p90_ms)) if v}
+        self.scale_in_below = scale_in_below
+
+    def pressure(self, metrics: Mapping[str, Mapping[Any, float]]) -> float:
+        """The slowest replica's p90 over its target, the larger of the two targets' (0: nothing measured)."""
+        ratios = [max(metrics.get(key, {}).values(), default=0.0) / target for key, target in self.targets.items()]
+        return max(ratios, default=0.0)
+
+    def decide(self, replicas: int, pressure: float) -> int:
+        if pressure > 1.0:
+            return max(replicas + 1, math.ceil(replicas * min(pressure, 2.0)))
+        if pressure < self.scale_in_below:
+            return max(replicas - 1, 0)
+        return replicas
+
+    def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
+        pressure = self.pressure(ctx.aggregated_metrics or {})
+        replicas = ctx.current_num_replicas
+        return self.decide(replicas, pressure), {"latency_pressure": round(pressure, 3)}

@@ -1,0 +1,76 @@
+"""Latency-target autoscaling's parts without Ray: the p90 of vLLM-shaped cumulative histograms, a replica's window
+between reports, the policy's decision, and the YAML's `policy: {ttft_p90_ms, tpot_p90_ms}` turned into Serve's
+custom policy. On a real engine and Serve's controller: tests/cpu/test_scaling.py."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from app.config.autoscaling import LATENCY_POLICY, autoscaling_config
+from app.config.root import SummitConfig
+from deployments.observability.slo import LatencyTargetPolicy, LatencyWindow, quantile
+
+
+def test_quantile_interpolates_inside_the_bucket_like_histogram_quantile():
+    buckets = {0.1: 50, 0.2: 80, 0.4: 100, math.inf: 100}  # cumulative
+    assert quantile(buckets, 0.5) == pytest.approx(0.1)
+    assert quantile(buckets, 0.9) == pytest.approx(0.3)  # rank 90 is half-way through (0.2, 0.4]
+    assert quantile({0.1: 0, math.inf: 0}) is None
+    assert quantile({0.1: 0, 0.2: 0, math.inf: 10}) == 0.2  # the open last bucket: its lower bound
+
+
+def test_a_replicas_window_reports_only_what_happened_since_its_last_report():
+    window = LatencyWindow()
+    first = window.report({"ttft": {0.1: 10, 1.0: 10, math.inf: 10}, "tpot": {0.01: 100, math.inf: 100}})
+    assert first["ttft_p90_ms"] == pytest.approx(90.0) and first["tpot_p90_ms"] == pytest.approx(9.0)
+    slow = window.report({"ttft": {0.1: 10, 1.0: 20, math.inf: 20}, "tpot": {0.01: 100, math.inf: 100}})
+    assert slow["ttft_p90_ms"] == pytest.approx(910.0)  # the ten new ones, all in (0.1, 1]
+    assert slow["tpot_p90_ms"] == 0.0  # nothing new: an idle replica reports 0
+    assert window.report({}) == {"ttft_p90_ms": 0.0, "tpot_p90_ms": 0.0}
+
+
+def ctx(replicas: int, **metrics) -> SimpleNamespace:
+    return SimpleNamespace(current_num_replicas=replicas, aggregated_metrics=metrics)
+
+
+def test_the_policy_scales_out_on_the_slowest_replica_and_in_when_well_under_every_target():
+    policy = LatencyTargetPolicy(ttft_p90_ms=500, tpot_p90_ms=50)
+    assert policy(ctx(1, ttft_p90_ms={"a": 600.0}, tpot_p90_ms={"a": 10.0}))[0] == 2
+    assert policy(ctx(2, ttft_p90_ms={"a": 100.0, "b": 5000.0}))[0] == 4  # 10x over: at most twice as many
+    assert policy(ctx(3, ttft_p90_ms={"a": 300.0}, tpot_p90_ms={"a": 60.0}))[0] == 4  # TPOT's miss (1.2x) decides
+    assert policy(ctx(3, ttft_p90_ms={"a": 300.0}, tpot_p90_ms={"a": 40.0}))[0] == 3  # between: keep
+    assert policy(ctx(3, ttft_p90_ms={"a": 0.0}, tpot_p90_ms={"a": 0.0}))[0] == 2  # idle: one fewer
+    assert policy(ctx(2))[0] == 1  # nothing reported
+    only_ttft = LatencyTargetPolicy(ttft_p90_ms=500)
+    assert only_ttft(ctx(1, ttft_p90_ms={"a": 400.0}, tpot_p90_ms={"a": 1e6}))[0] == 1  # TPOT not a target
+
+
+def test_the_yaml_targets_become_serves_custom_policy_and_bad_ones_are_named():
+    config = autoscaling_config({"min_replicas": 1, "max_replicas": 3, "policy": {"ttft_p90_ms": 800}}, 8, 16)
+    assert config["policy"] == {
+        "policy_function": LATENCY_POLICY,
+        "policy_kwargs": {"ttft_p90_ms": 800.0, "scale_in_below": 0.5},
+    }
+    from ray.serve.config import AutoscalingConfig
+
+    assert AutoscalingConfig(**config).policy.policy_function == LATENCY_POLICY  # Serve takes it as it is
+    for bad, named in (
+        ({"ttft_p95_ms": 1}, "policy.ttft_p95_ms"),
+        ({}, "give ttft_p90_ms, tpot_p90_ms or both"),
+        ({"tpot_p90_ms": -3}, "policy.tpot_p90_ms=-3"),
+        ({"ttft_p90_ms": 9, "scale_in_below": 1.5}, "policy.scale_in_below"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            autoscaling_config({"policy": bad}, 8, 16)
+    model = {
+        "name": "m",
+        "source": "/models/m",
+        "accelerator": "cpu",
+        "deployment": {"autoscaling_config": {"max_replicas": 2, "policy": {"ttft_p90_ms": 800}}},
+    }
+    with pytest.raises(ValueError, match="monitoring: {metrics: true}"):
+        SummitConfig.model_validate({"models": [model], "monitoring": {"metrics": False}})
+    SummitConfig.model_validate({"models": [model], "monitoring": {"metrics": True}})
