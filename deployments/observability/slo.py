@@ -47,9 +47,12 @@ class LatencyWindow:
 
     def __init__(self):
         self._last: dict[str, dict[float, int]] = {}
+        self._reported: dict[str, float] = {}
 
-    def report(self, cumulative: Mapping[str, Mapping[float, int]]) -> dict[str, float]:
-        """{`ttft_p90_ms`, `tpot_p90_ms`}: the window's p90 in ms, 0 where nothing was observed (an idle replica)."""
+    def report(self, cumulative: Mapping[str, Mapping[float, int]], busy: bool = False) -> dict[str, float]:
+        """{`ttft_p90_ms`, `tpot_p90_ms`}: the window's p90 in ms. Where nothing was observed: 0 for an idle replica,
+        the last value for a `busy` one (requests in flight but none reached a first token or a next one: an engine
+        crawling under load must not read as idle)."""
         out = {}
         for key, name in TARGETS.items():
             now = dict(cumulative.get(name, {}))
@@ -57,7 +60,11 @@ class LatencyWindow:
             delta = {b: c - last.get(b, 0) for b, c in now.items()}
             self._last[name] = now
             value = quantile(delta)
-            out[key] = round(value * 1000, 3) if value is not None else 0.0
+            if value is not None:
+                out[key] = round(value * 1000, 3)
+            else:
+                out[key] = self._reported.get(key, 0.0) if busy else 0.0
+        self._reported = out
         return out
 
 
@@ -83,4 +90,8 @@ class LatencyTargetPolicy:
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         pressure = self.pressure(ctx.aggregated_metrics or {})
         replicas = ctx.current_num_replicas
-        return self.decide(replicas, pressure), {"latency_pressure": round(pressure, 3)}
+        decision = self.decide(replicas, pressure)
+        if replicas < ctx.target_num_replicas and pressure > 0:
+            # replicas still starting: keep them unless the model went idle (their engines take minutes to start)
+            decision = max(decision, ctx.target_num_replicas)
+        return decision, {"latency_pressure": round(pressure, 3)}

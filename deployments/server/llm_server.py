@@ -120,7 +120,8 @@ class LLMServer(FrontHost):
         """What Serve's autoscaling policy reads per replica (custom metrics): the p90 time to first token and
         inter-token latency of this replica's engine since its last report, in ms (0: none observed), for
         `autoscaling_config.policy: {ttft_p90_ms, tpot_p90_ms}` (deployments/observability/slo.py)."""
-        return self._latency.report(engine.latency_buckets())
+        busy = engine.num_unfinished_requests(self._engine_app.engine) > 0
+        return self._latency.report(engine.latency_buckets(), busy)
 
     async def handle_http(self, request: HTTPRequest) -> AsyncIterator[ResponseStart | bytes]:
         """Run one HTTP request through the front and vLLM's app; yields a ResponseStart, then body chunks. (A dead

@@ -30,10 +30,16 @@ def test_a_replicas_window_reports_only_what_happened_since_its_last_report():
     assert slow["ttft_p90_ms"] == pytest.approx(910.0)  # the ten new ones, all in (0.1, 1]
     assert slow["tpot_p90_ms"] == 0.0  # nothing new: an idle replica reports 0
     assert window.report({}) == {"ttft_p90_ms": 0.0, "tpot_p90_ms": 0.0}
+    seen = window.report({"ttft": {0.1: 10, 1.0: 30, math.inf: 30}, "tpot": {0.01: 100, math.inf: 100}})
+    assert seen["ttft_p90_ms"] == pytest.approx(865.0)  # 30 since the empty report: rank 27 of (0.1, 1] holding 20
+    held = window.report({"ttft": {0.1: 10, 1.0: 30, math.inf: 30}, "tpot": {0.01: 100, math.inf: 100}}, busy=True)
+    assert held["ttft_p90_ms"] == pytest.approx(865.0)  # requests in flight, none at a first token: the last value
 
 
-def ctx(replicas: int, **metrics) -> SimpleNamespace:
-    return SimpleNamespace(current_num_replicas=replicas, aggregated_metrics=metrics)
+def ctx(replicas: int, target: int | None = None, **metrics) -> SimpleNamespace:
+    return SimpleNamespace(
+        current_num_replicas=replicas, target_num_replicas=target or replicas, aggregated_metrics=metrics
+    )
 
 
 def test_the_policy_scales_out_on_the_slowest_replica_and_in_when_well_under_every_target():
@@ -44,6 +50,8 @@ def test_the_policy_scales_out_on_the_slowest_replica_and_in_when_well_under_eve
     assert policy(ctx(3, ttft_p90_ms={"a": 300.0}, tpot_p90_ms={"a": 40.0}))[0] == 3  # between: keep
     assert policy(ctx(3, ttft_p90_ms={"a": 0.0}, tpot_p90_ms={"a": 0.0}))[0] == 2  # idle: one fewer
     assert policy(ctx(2))[0] == 1  # nothing reported
+    assert policy(ctx(1, 2, ttft_p90_ms={"a": 100.0}))[0] == 2  # a replica starting is kept while there is load
+    assert policy(ctx(1, 2, ttft_p90_ms={"a": 0.0}))[0] == 0  # but not for an idle model
     only_ttft = LatencyTargetPolicy(ttft_p90_ms=500)
     assert only_ttft(ctx(1, ttft_p90_ms={"a": 400.0}, tpot_p90_ms={"a": 1e6}))[0] == 1  # TPOT not a target
 
