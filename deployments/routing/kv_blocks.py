@@ -202,22 +202,28 @@ class BlockView:
 
 
 def choose(
-    held: Mapping[str, float], loads: Mapping[str, int], imbalance: int, rng: random.Random
+    held: Mapping[str, float], loads: Mapping[str, int], imbalance: int, rng: random.Random, tie: int | None = None
 ) -> tuple[str, str, float]:
     """(replica, outcome, credit) for a request whose leading blocks each replica in `loads` holds `held[replica]`
     of: the one holding the most, unless it is more than `imbalance` requests busier than the least-loaded replica,
     in which case the claim passes to the best of those within `imbalance`. Outcomes: `hit` (the most-holding replica),
-    `spill` (a replica holding more lost its claim), `new` (no replica within reach holds any block: the least loaded,
-    ties at random)."""
+    `spill` (a replica holding more lost its claim), `new` (no replica within reach holds any block: the least loaded).
+    Ties go to the less loaded, then by `tie` (the request's first block: routers of several ingress replicas agree
+    and a new prefix lands on the same replica from each), else at random."""
     least = min(loads.values())
     within = [r for r in loads if loads[r] - least <= imbalance]
     best_anywhere = max((held.get(r, 0.0) for r in loads), default=0.0)
     best = max((held.get(r, 0.0) for r in within), default=0.0)
     if best > 0:
-        # the most-holding replica in reach; ties: the least loaded, then at random
         top = [r for r in within if held.get(r, 0.0) == best]
         fewest = min(loads[r] for r in top)
-        chosen = rng.choice([r for r in top if loads[r] == fewest])
+        chosen = _pick([r for r in top if loads[r] == fewest], rng, tie)
         return chosen, "hit" if best == best_anywhere else "spill", best
     idle = [r for r in loads if loads[r] == least]
-    return rng.choice(idle), "spill" if best_anywhere > 0 else "new", 0.0
+    return _pick(idle, rng, tie), "spill" if best_anywhere > 0 else "new", 0.0
+
+
+def _pick(replicas: list[str], rng: random.Random, tie: int | None) -> str:
+    if tie is None or len(replicas) == 1:
+        return rng.choice(replicas)
+    return max(replicas, key=lambda r: _digest(tie.to_bytes(8, "little") + r.encode()))  # rendezvous hashing

@@ -166,9 +166,10 @@ class _KVCache(_Policy):
         rng: random.Random,
         replicas: list[RunningReplica],
         lora: str | None = None,
-    ) -> tuple[str, str] | None:
-        """(replica, outcome) by cached prefix; None when the request has no prompt to route on or no replica's
-        blocks are known yet (then: by load)."""
+    ) -> tuple[str, str, list[int]] | None:
+        """(replica, outcome, the request's block hashes) by cached prefix; None when the request has no prompt to
+        route on or no replica's blocks are known yet (then: by load). The caller claims the blocks for the replica
+        it finally sends the request to (`claim`)."""
         self.follower.follow({r.replica_id.unique_id: r.replica_id.to_full_id_str() for r in replicas})
         block_size = self.follower.block_size()
         if request is None or block_size is None:
@@ -188,9 +189,8 @@ class _KVCache(_Policy):
             view = self.follower.views.get(rid)
             credit = view.held(hashes, self.cpu_credit) if view is not None else 0.0
             held[rid] = max(credit, self._claimed(hashes, rid, now))
-        chosen, outcome, _ = choose(held, loads, self.imbalance, rng)
-        self._claim(hashes, chosen, now)
-        return chosen, outcome
+        chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0])
+        return chosen, outcome, hashes
 
     def _claimed(self, hashes: list[int], replica: str, now: float) -> float:
         n = 0
@@ -201,7 +201,8 @@ class _KVCache(_Policy):
             n += 1
         return float(n)
 
-    def _claim(self, hashes: list[int], replica: str, now: float) -> None:
+    def claim(self, hashes: list[int], replica: str) -> None:
+        now = time.monotonic()
         if len(self._claims) + len(hashes) > self.max_tracked:
             self._claims = {h: c for h, c in self._claims.items() if c[1] >= now}
             if len(self._claims) + len(hashes) > self.max_tracked:
@@ -279,13 +280,20 @@ class _SummitRouter(RequestRouter):
             if isinstance(base, _KVCache):
                 found = await base.route(request, loads, self._rng, candidate_replicas, lora=model)
             if found is not None and found[1] != "new":
-                policy, (chosen, outcome) = base, found
+                policy, (chosen, outcome, _) = base, found
             else:
                 policy = self._adapters
                 chosen, outcome = policy.decide(model, loads, candidate_replicas)
+            if found is not None:
+                base.claim(found[2], chosen)
         elif isinstance(policy, _KVCache):
             found = await policy.route(request, loads, self._rng, candidate_replicas)
-            key, (chosen, outcome) = None, found or (routing.power_of_two(loads, self._rng), "least_load")
+            key = None
+            if found is None:
+                chosen, outcome = routing.power_of_two(loads, self._rng), "least_load"
+            else:
+                (chosen, outcome, hashes) = found
+                policy.claim(hashes, chosen)
         else:
             key = None if request is None else policy.key(request, pending_request)
             chosen, outcome = policy.decide_why(key, loads, self._rng)
