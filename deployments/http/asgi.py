@@ -106,6 +106,16 @@ async def _coalesce(queue: asyncio.Queue, chunks: list[bytes], ended: bool, coal
 # ASGI plumbing shared by the HTTP entries
 
 
+def post_paths(app) -> frozenset[str]:
+    """The POST paths an ASGI app built on Starlette/FastAPI routes (vLLM's OpenAI app registers the routes of the
+    tasks its model supports: generation, embeddings, pooling, scoring, ...)."""
+    return frozenset(
+        r.path
+        for r in getattr(app, "routes", ())
+        if "POST" in (getattr(r, "methods", None) or ()) and "{" not in r.path
+    )
+
+
 async def read_body(receive, limit: int | None = None) -> bytes | None:
     """The whole request body; None once it grows past `limit` bytes (the rest is left unread)."""
     chunks, size = [], 0

@@ -18,8 +18,36 @@ from deployments.pipeline.rate_limit import Limits
 # The largest body an OpenAI route takes (a 128k-token prompt as token ids is ~1 MiB; images inline in a chat are
 # the big ones): a larger one is answered 413 before it is read.
 MAX_REQUEST_BYTES = 32 << 20
-# The OpenAI generation and tokenizer routes Summit serves; vLLM's app has more (metrics, admin) that stay unreachable.
-POST_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+# The OpenAI routes Summit serves, each a model's where vLLM serves it for that model's task (generation: completions,
+# chat, responses; pooling models: embeddings, pooling, scoring, reranking, classification); vLLM's app has more
+# (metrics, admin) that stay unreachable.
+POST_ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/v1/embeddings",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    }
+)
+
+
+def route_not_served(model: str, path: str, served: frozenset[str]) -> OpenAIError:
+    """404 for a route the model's task does not have (vLLM decides which: its runner and convert)."""
+    listed = ", ".join(sorted(served & POST_ROUTES)) or "none"
+    return OpenAIError(
+        404,
+        f"model {model!r} does not serve POST {path} (not a route of its task); it serves POST {listed}",
+        param="model",
+    )
 
 
 def authenticate(keys: list[bytes] | None) -> Step:

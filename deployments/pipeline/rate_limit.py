@@ -41,7 +41,7 @@ def token_charge(path: str, payload: Any, default_max_tokens: int) -> int:
             elif isinstance(content, list):
                 prompt += sum(_estimate(p.get("text", "")) for p in content if isinstance(p, dict))
     else:
-        given = payload.get("prompt", payload.get("messages", ""))
+        given = payload.get("prompt", payload.get("input", payload.get("messages", "")))
         for part in given if isinstance(given, list) and given and not isinstance(given[0], int) else [given]:
             prompt += len(part) if isinstance(part, list) else _estimate(part if isinstance(part, str) else "")
     if path not in ("/v1/completions", "/v1/chat/completions"):

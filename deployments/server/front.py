@@ -17,10 +17,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from deployments.batch.share import BatchShare
-from deployments.http.asgi import read_body, send_json, send_plain
+from deployments.http.asgi import post_paths, read_body, send_json, send_plain
 from deployments.http.errors import OpenAIError
 from deployments.http.openapi import build as build_openapi
 from deployments.http.protocol import BATCH_LINE_SCOPE_KEY, BATCH_PREFIXES, REPLICA_HEADER
@@ -31,10 +32,18 @@ from deployments.observability.tracing import Tracing
 from deployments.observability.watch import RequestWatch
 from deployments.pipeline.admission import Admission
 from deployments.pipeline.context import Entry, RequestContext, run_steps
-from deployments.pipeline.entry import POST_ROUTES, authenticate, bounded_body, not_served, rate_limit, resolve_model
+from deployments.pipeline.entry import (
+    POST_ROUTES,
+    authenticate,
+    bounded_body,
+    not_served,
+    rate_limit,
+    resolve_model,
+    route_not_served,
+)
 from deployments.pipeline.handoff import Call, to_batch_api, to_model_replica
 from deployments.pipeline.migration import resumable_stream
-from deployments.pipeline.prefill import PD_ROUTES, Disaggregated, prefill_first
+from deployments.pipeline.prefill import Disaggregated, prefill_first
 from deployments.pipeline.rate_limit import Limits
 from deployments.server.engine_call import EngineCall
 from deployments.server.models import ModelTable
@@ -50,6 +59,11 @@ class EngineSide:
     dead: Callable[[], bool]
     replica_id: str
     detokenizer: Callable | None = None  # vLLM's, for a resumed stream's text (pipeline/migration.Resumable)
+
+    @cached_property
+    def routes(self) -> frozenset[str] | None:
+        """The POST routes vLLM's app serves for this model's task (None: an app without a route table)."""
+        return post_paths(self.app) if hasattr(self.app, "routes") else None
 
 
 @dataclass
@@ -70,6 +84,10 @@ class FrontOptions:
     metrics: ReplicaMetrics | None = None  # serving metrics (monitoring.metrics)
     tracing: Tracing | None = None  # traces (monitoring.tracing)
     batch_share: BatchShare | None = None  # told of online requests: batch lines make room for them
+
+
+# The routes a request's metrics and trace are kept for: the model's work (not the tokenizer's)
+MEASURED_ROUTES = POST_ROUTES - {"/tokenize", "/detokenize"}
 
 
 class ReplicaFront(Entry):
@@ -116,6 +134,11 @@ class ReplicaFront(Entry):
         if not self.table.serves(ctx.model):  # a body cut at HAProxy's buffer, or a stale route
             await to_model_replica(ctx, ctx.model, self.options.forward, self.table.model)
             return
+        routes = self.engine.routes
+        if (
+            routes is not None and ctx.path not in routes
+        ):  # a route of another task (embeddings from a generative model)
+            raise route_not_served(ctx.model, ctx.path, routes)
         share = self.options.batch_share
         if share is not None and not ctx.scope.get(BATCH_LINE_SCOPE_KEY):  # online: batch lines make room from now
             share.online_started()
@@ -135,9 +158,9 @@ class ReplicaFront(Entry):
         return None
 
     async def _measured(self, ctx: RequestContext) -> None:
-        """A generation request's metrics and trace (monitoring:), ended with the request."""
+        """A model request's metrics and trace (monitoring:), ended with the request."""
         o = self.options
-        if ctx.path in PD_ROUTES and (o.metrics is not None or o.tracing is not None):
+        if ctx.path in MEASURED_ROUTES and (o.metrics is not None or o.tracing is not None):
             ctx.watch = RequestWatch(
                 o.metrics, o.tracing, ctx.scope, ctx.headers, self.engine.replica_id, self.table.model, ctx.internal
             )

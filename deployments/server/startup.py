@@ -13,7 +13,7 @@ import threading
 from ray import serve
 
 from app.config import ModelConfig
-from deployments.http.asgi import stream_asgi
+from deployments.http.asgi import post_paths, stream_asgi
 from deployments.http.protocol import HTTPRequest, ResponseStart
 from deployments.observability import metrics
 
@@ -74,13 +74,27 @@ class LoadProgress:
                 )
 
 
+# The warm-up request by the model's task: the first of these routes vLLM's app serves for it
+_WARMUP = (
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 1, "temperature": 0}),
+    ("/v1/embeddings", {"input": "Hello"}),
+    ("/classify", {"input": "Hello"}),
+    ("/pooling", {"input": "Hello"}),
+)
+
+
 async def warm_up(engine_app, model: str) -> None:
-    """One short completion through vLLM's app before the replica takes traffic: the replica is ready (Serve marks
-    it running, /v1/models lists it) only once its engine has answered."""
-    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
+    """One short request through vLLM's app before the replica takes traffic (a completion; for a pooling model an
+    embedding, classification or pooling): the replica is ready (Serve marks it running, /v1/models lists it) only
+    once its engine has answered."""
+    routes = post_paths(engine_app)
+    path, payload = next(
+        ((p, b) for p, b in _WARMUP if p in routes), ("/v1/completions", {"prompt": "Hello", "max_tokens": 1})
+    )
+    body = json.dumps({"model": model, **payload}).encode()
     request = HTTPRequest(
         "POST",
-        "/v1/completions",
+        path,
         body,
         headers=[(b"content-type", b"application/json"), (b"x-request-id", b"summit-warmup")],
     )

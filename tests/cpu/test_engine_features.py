@@ -29,11 +29,13 @@ MODEL = "tiny-feat"
 ADAPTERS = ("tiny-sql", "tiny-poet")
 ARCHS = ("mistral", "qwen2", "mixtral")
 QUANTIZED = "tiny-fp8"
+EMBED = "tiny-embed"  # the tiny Llama run as a pooling model (vLLM's runner: pooling, convert: embed)
 API_KEY = "sk-summit-features"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 POOL = "LLMServer:" + "+".join(
-    [MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED]
+    [MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED, EMBED]
 )  # the direct path's one deployment
+REPLICAS = 4 + len(ARCHS)
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +73,19 @@ def features_app(tiny_model_dir, tmp_path_factory):
     ]
     # the tiny Llama's own checkpoint, quantized by vLLM as it loads (the one method that does so on CPU engines)
     quantized = tiny_model(QUANTIZED, {"max_model_len": 2048, "quantization": "fp8_per_channel"}, {"num_replicas": 1})
+    embed = tiny_model(EMBED, {"max_model_len": 2048, "runner": "pooling", "convert": "embed"}, {"num_replicas": 1})
     # Tool calls through vLLM's JSON-schema path (honours disable_any_whitespace). vLLM 0.32's default, xgrammar's
     # Llama structural tag, lets whitespace between keys, and a random model writes newlines until max_tokens.
     env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": API_KEY}
     with deployed(
-        [model, *families, quantized],
+        [model, *families, quantized, embed],
         tiny_model_dir,
         haproxy=True,
         env=env,
         args={"auth": {"api_keys_env": "SUMMIT_API_KEYS"}},
         ready_path="/health",
     ) as cluster:
-        assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 3 + len(ARCHS), 300, 1)
+        assert wait_for(lambda: len(running_replicas(cluster, POOL)) == REPLICAS, 300, 1)
         yield cluster
 
 
@@ -98,7 +101,7 @@ def complete(client, model: str, prompt: str = "The ridge at dawn", **kw):
 
 def test_models_lists_each_adapter_under_its_model(client):
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {MODEL, *ADAPTERS, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED}
+    assert set(cards) == {MODEL, *ADAPTERS, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED, EMBED}
     assert all(getattr(cards[a], "parent", None) == MODEL for a in ADAPTERS)
     assert getattr(cards[MODEL], "parent", None) is None
 
@@ -130,12 +133,53 @@ def test_kv_cache_routing_sends_a_document_back_to_the_replica_that_cached_it(fe
     time.sleep(KV_CLAIM_S + 1)
     again = [[complete(client, MODEL, prompt=doc + f"Question {q}: why?")[1] for q in range(2)] for doc in docs]
     assert again == [[home, home] for home in homes], (homes, again)
-    stats = probe(features_app.address, "each", APP, POOL, "stats", "--replicas", str(3 + len(ARCHS)))
+    stats = probe(features_app.address, "each", APP, POOL, "stats", "--replicas", str(REPLICAS))
     indexed = {r: s["kv_events"] for r, s in stats.items() if s["model"] == MODEL}
     assert len(indexed) == 2 and all(i is not None and i["gaps"] == 0 for i in indexed.values()), indexed
     assert all(indexed[home]["blocks"] >= 3 for home in homes), indexed  # ~460 tokens: 3 blocks of 128 each
     others = [s for r, s in stats.items() if s["model"] != MODEL]
     assert all(s["kv_events"] is None for s in others)  # least_load models publish nothing
+
+
+def test_an_embedding_model_serves_the_pooling_routes(features_app, client):
+    """The tiny Llama run as an embedding model answers vLLM's pooling routes through the same front (API key,
+    routing by the body's model): OpenAI embeddings with the official client, and vLLM's /pooling and /score."""
+    texts = ["The ridge at dawn.", "A storm over the pass.", "The ridge at dawn."]
+    embeddings = client.embeddings.create(model=EMBED, input=texts)
+    vectors = [e.embedding for e in embeddings.data]
+    assert len(vectors) == 3 and len(vectors[0]) > 8 and embeddings.model == EMBED
+    assert vectors[0] == pytest.approx(vectors[2]) and vectors[0] != pytest.approx(vectors[1])
+    url = features_app.base_url
+    pooled = httpx.post(url + "/pooling", json={"model": EMBED, "input": texts[0]}, headers=AUTH, timeout=60)
+    assert pooled.status_code == 200 and pooled.json()["data"], pooled.text
+    score = httpx.post(
+        url + "/score", json={"model": EMBED, "text_1": texts[0], "text_2": texts[1:]}, headers=AUTH, timeout=60
+    )
+    assert score.status_code == 200, score.text
+    scores = [d["score"] for d in score.json()["data"]]
+    assert len(scores) == 2 and scores[1] == pytest.approx(1.0, abs=1e-3)  # the text with itself: cosine 1
+    assert scores[0] < scores[1]
+    assert httpx.post(url + "/v1/embeddings", json={"model": EMBED, "input": "x"}, timeout=60).status_code == 401
+
+
+def test_a_model_answers_only_its_tasks_routes_naming_them(client):
+    """vLLM decides a model's routes by its task: embeddings from the generative model, or a completion from the
+    embedding model, are OpenAI-shaped 404s naming the routes that model serves."""
+    with pytest.raises(openai.NotFoundError) as e:
+        client.embeddings.create(model=MODEL, input="Hi")
+    error = e.value.body
+    assert error["param"] == "model" and "/v1/embeddings" in error["message"]
+    assert "/v1/completions" in error["message"].split("serves")[-1]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model=EMBED, prompt="Hi", max_tokens=2)
+    assert "/v1/embeddings" in e.value.body["message"].split("serves")[-1]
+
+
+def test_the_responses_api_answers_through_the_official_client(client):
+    response = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0)
+    assert response.model == MODEL and response.output_text, response
+    # the random model may end early; else it stops at the bound
+    assert response.status == "completed" or response.incomplete_details.reason == "max_output_tokens", response
 
 
 def test_an_unknown_adapter_is_a_404(client):
@@ -384,7 +428,7 @@ def test_a_full_replica_unloads_its_least_recently_used_idle_adapter(features_ap
     again = {name: complete(client, name)[0] for name in names}  # each asked twice: reloads where it was unloaded
     assert again == first, "an adapter answered differently after it was unloaded and loaded again"
     assert serve_log_matches(features_app, "unloaded to make room"), "5 adapters in 4 slots: no replica made room"
-    replicas = probe(features_app.address, "each", APP, POOL, "adapters", "--replicas", str(3 + len(ARCHS)))
+    replicas = probe(features_app.address, "each", APP, POOL, "adapters", "--replicas", str(REPLICAS))
     for replica in replicas.values():
         assert len(replica["loaded"]) <= 2, replica
         # Summit's books are the engine's: what it serves and what it holds

@@ -42,9 +42,11 @@ def test_openapi_document_has_vllms_request_schemas_and_summits_routes(summit):
         "/v1/files/{file_id}",
         "/v1/batches",
         "/v1/batches/{batch_id}/cancel",
+        "/v1/responses",
         "/health",
     } <= set(paths)
-    assert not {"/metrics", "/v1/responses", "/load", "/invocations"} & set(paths)  # vLLM's, not routed by Summit
+    assert not {"/metrics", "/load", "/invocations"} & set(paths)  # vLLM's, not routed by Summit
+    assert not {"/v1/embeddings", "/pooling", "/score"} & set(paths)  # a generative model's app has no pooling routes
     assert "429" in paths["/v1/completions"]["post"]["responses"]
     import schemathesis
 

@@ -395,3 +395,24 @@ def test_a_body_over_the_limit_is_413_unread_and_openapi_json_is_served():
         "$ref": "#/components/schemas/_Completion"
     }
     assert "/v1/files" not in doc["paths"] and "/health" in doc["paths"]
+
+
+def test_a_route_of_another_task_is_a_404_naming_the_models_routes():
+    """vLLM's app registers the routes of its model's task; the front answers any other OpenAI route with a 404 that
+    names the model and the routes it serves (an embedding model's app here: a fake with a route table)."""
+
+    class EmbeddingApp(EchoEngineApp):
+        routes = [
+            type("Route", (), {"path": p, "methods": {"POST"}})() for p in ("/v1/embeddings", "/pooling", "/tokenize")
+        ]
+
+    engine = EmbeddingApp()
+    app = make_front(engine, "a", ["a"], None, lambda: False, "replica-1")
+    served = asyncio.run(call(app, "POST", "/v1/embeddings", {"model": "a", "input": "x"}))
+    assert served.status_code == 200 and served.json()["echo"]["input"] == "x"
+    refused = asyncio.run(call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x"}))
+    error = refused.json()["error"]
+    assert refused.status_code == 404 and error["param"] == "model" and error["type"] == "NotFoundError"
+    assert "'a' does not serve POST /v1/completions" in error["message"]
+    assert error["message"].endswith("it serves POST /pooling, /tokenize, /v1/embeddings")
+    assert [s["path"] for s in engine.seen] == ["/v1/embeddings"]  # the refused request never reached the engine
