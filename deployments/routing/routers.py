@@ -32,14 +32,9 @@ from deployments.http.protocol import AVOID_HEADER, HTTPRequest
 from deployments.observability import metrics
 from deployments.observability.tracing import DECISION_HEADER, decision_value
 from deployments.routing import policies as routing
-from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, chain, choose
-from deployments.routing.kv_follow import KVFollower
-from deployments.routing.kv_tokens import PromptTokens
+from deployments.routing.kv_policy import KVCachePolicy
 
 logger = logging.getLogger("ray.serve")
-
-# kv_cache: how long a replica chosen for a request counts as holding its blocks before its engine's events say so
-KV_CLAIM_S = 10.0
 
 
 class _Policy:
@@ -55,6 +50,9 @@ class _Policy:
 
     def key(self, request: HTTPRequest, pending_request: PendingRequest) -> str | None:
         return None
+
+    def forget_replicas(self, alive: list[str]) -> None:
+        self.table.forget_replicas(alive)
 
     def decide(self, key: str, loads: routing.Loads) -> str:
         raise NotImplementedError
@@ -135,88 +133,11 @@ class _AdapterAffinity:
         return chosen, outcome
 
 
-class _KVCache(_Policy):
-    """To the replica whose engine holds the longest cached prefix of the request's tokens (in GPU memory; a block
-    only in an offload tier counts `cpu_block_credit`), unless it is `imbalance` requests busier than the least
-    loaded one. What each engine holds comes from its KV events (`kv_follow.KVFollower`); between a decision and the
-    engine's events for it (the prefill), the chosen replica is taken to hold the request's blocks for `CLAIM_S`, so
-    a burst of one new prefix is not spread before its first prefill ends."""
-
-    name = "kv_cache"
-    CLAIM_S = KV_CLAIM_S
-
-    def __init__(
-        self,
-        tokenizer: str | None = None,
-        chat_template: str | None = None,
-        imbalance: int = routing.DEFAULT_IMBALANCE,
-        cpu_block_credit: float = DEFAULT_CPU_CREDIT,
-        max_tracked: int = routing.DEFAULT_MAX_TRACKED,
-    ):
-        super().__init__(max_tracked)
-        self.tokens = PromptTokens(tokenizer, chat_template)
-        self.follower = KVFollower()
-        self.imbalance, self.cpu_credit, self.max_tracked = imbalance, cpu_block_credit, max_tracked
-        self._claims: dict[int, tuple[str, float]] = {}  # content hash -> (replica, until)
-
-    async def route(
-        self,
-        request: HTTPRequest | None,
-        loads: routing.Loads,
-        rng: random.Random,
-        replicas: list[RunningReplica],
-        lora: str | None = None,
-    ) -> tuple[str, str, list[int]] | None:
-        """(replica, outcome, the request's block hashes) by cached prefix; None when the request has no prompt to
-        route on or no replica's blocks are known yet (then: by load). The caller claims the blocks for the replica
-        it finally sends the request to (`claim`)."""
-        self.follower.follow({r.replica_id.unique_id: r.replica_id.to_full_id_str() for r in replicas})
-        block_size = self.follower.block_size()
-        if request is None or block_size is None:
-            return None
-        found = await self.tokens.of(routing.request_body(request.body))
-        if found is None:
-            return None
-        tokens, cut = found
-        hashes = chain(tokens, block_size, lora)
-        if cut and hashes:
-            hashes.pop()  # its tokens were cut at the character limit
-        if not hashes:
-            return None
-        now = time.monotonic()
-        held = {}
-        for rid in loads:
-            view = self.follower.views.get(rid)
-            credit = view.held(hashes, self.cpu_credit) if view is not None else 0.0
-            held[rid] = max(credit, self._claimed(hashes, rid, now))
-        chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0])
-        return chosen, outcome, hashes
-
-    def _claimed(self, hashes: list[int], replica: str, now: float) -> float:
-        n = 0
-        for h in hashes:
-            owner = self._claims.get(h)
-            if owner is None or owner[0] != replica or owner[1] < now:
-                break
-            n += 1
-        return float(n)
-
-    def claim(self, hashes: list[int], replica: str) -> None:
-        now = time.monotonic()
-        if len(self._claims) + len(hashes) > self.max_tracked:
-            self._claims = {h: c for h, c in self._claims.items() if c[1] >= now}
-            if len(self._claims) + len(hashes) > self.max_tracked:
-                self._claims.clear()
-        until = now + self.CLAIM_S
-        for h in hashes:
-            self._claims[h] = (replica, until)
-
-
-_POLICIES: dict[str, type[_Policy]] = {
+_POLICIES: dict[str, type] = {
     "least_load": _LeastLoad,
     "prefix_affinity": _PrefixAffinity,
     "session_affinity": _SessionAffinity,
-    "kv_cache": _KVCache,
+    "kv_cache": KVCachePolicy,
 }
 
 
@@ -277,7 +198,7 @@ class _SummitRouter(RequestRouter):
             # it loaded
             key, base = model, self._policy(_base_model(model, candidate_replicas))
             found = None
-            if isinstance(base, _KVCache):
+            if isinstance(base, KVCachePolicy):
                 found = await base.route(request, loads, self._rng, candidate_replicas, lora=model)
             if found is not None and found[1] != "new":
                 policy, (chosen, outcome, _) = base, found
@@ -286,7 +207,7 @@ class _SummitRouter(RequestRouter):
                 chosen, outcome = policy.decide(model, loads, candidate_replicas)
             if found is not None:
                 base.claim(found[2], chosen)
-        elif isinstance(policy, _KVCache):
+        elif isinstance(policy, KVCachePolicy):
             found = await policy.route(request, loads, self._rng, candidate_replicas)
             key = None
             if found is None:
@@ -335,9 +256,7 @@ class _SummitRouter(RequestRouter):
     def _forget_gone_replicas(self) -> None:
         alive = [rid.unique_id for rid in self._replica_id_set]
         for policy in self._policies.values():
-            policy.table.forget_replicas(alive)
-            if isinstance(policy, _KVCache):
-                policy.follower.forget(alive)
+            policy.forget_replicas(alive)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
@@ -401,7 +320,7 @@ class SessionAffinityRouter(_OnePolicyRouter):
 class KVCacheRouter(_OnePolicyRouter):
     """To the replica whose engine holds the longest cached prefix of the request's tokens, unless overloaded."""
 
-    policy = _KVCache
+    policy = KVCachePolicy
 
 
 class ModelPolicyRouter(_SummitRouter):

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from app.clusters.tiny_model import make_tiny_lora, make_tiny_model
-from deployments.routing.routers import KV_CLAIM_S
+from deployments.routing.kv_policy import KV_CLAIM_S
 from tests.cpu.engine_apps import APP, deployed, document, running_replicas, serve_log_matches, tiny_model, wait_for
 from tests.replica_probe import probe
 

@@ -1,0 +1,99 @@
+"""The `kv_cache` routing policy of Summit's Serve routers (deployments/routing/routers.py): the replica whose
+engine holds the longest cached prefix of a request's tokens, from the engines' KV events (`kv_blocks.py`,
+`kv_follow.py`), the request tokenized as vLLM does (`kv_tokens.py`)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from ray.serve.request_router import RunningReplica
+
+from deployments.http.protocol import HTTPRequest
+from deployments.routing import policies as routing
+from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, chain, choose
+from deployments.routing.kv_follow import KVFollower
+from deployments.routing.kv_tokens import PromptTokens
+
+# How long a replica chosen for a request counts as holding its blocks before its engine's events say so
+KV_CLAIM_S = 10.0
+
+
+class KVCachePolicy:
+    """To the replica whose engine holds the longest cached prefix of the request's tokens (in GPU memory; a block
+    only in an offload tier counts `cpu_block_credit`), unless it is `imbalance` requests busier than the least
+    loaded one. What each engine holds comes from its KV events (`kv_follow.KVFollower`); between a decision and the
+    engine's events for it (the prefill), the chosen replica is taken to hold the request's blocks for `CLAIM_S`, so
+    a burst of one new prefix is not spread before its first prefill ends."""
+
+    name = "kv_cache"
+    strict = False
+    CLAIM_S = KV_CLAIM_S
+
+    def __init__(
+        self,
+        tokenizer: str | None = None,
+        chat_template: str | None = None,
+        imbalance: int = routing.DEFAULT_IMBALANCE,
+        cpu_block_credit: float = DEFAULT_CPU_CREDIT,
+        max_tracked: int = routing.DEFAULT_MAX_TRACKED,
+    ):
+        self.tokens = PromptTokens(tokenizer, chat_template)
+        self.follower = KVFollower()
+        self.imbalance, self.cpu_credit, self.max_tracked = imbalance, cpu_block_credit, max_tracked
+        self._claims: dict[int, tuple[str, float]] = {}  # content hash -> (replica, until)
+
+    async def route(
+        self,
+        request: HTTPRequest | None,
+        loads: routing.Loads,
+        rng: random.Random,
+        replicas: list[RunningReplica],
+        lora: str | None = None,
+    ) -> tuple[str, str, list[int]] | None:
+        """(replica, outcome, the request's block hashes) by cached prefix; None when the request has no prompt to
+        route on or no replica's blocks are known yet (then: by load). The caller claims the blocks for the replica
+        it finally sends the request to (`claim`)."""
+        self.follower.follow({r.replica_id.unique_id: r.replica_id.to_full_id_str() for r in replicas})
+        block_size = self.follower.block_size()
+        if request is None or block_size is None:
+            return None
+        found = await self.tokens.of(routing.request_body(request.body))
+        if found is None:
+            return None
+        tokens, cut = found
+        hashes = chain(tokens, block_size, lora)
+        if cut and hashes:
+            hashes.pop()  # its tokens were cut at the character limit
+        if not hashes:
+            return None
+        now = time.monotonic()
+        held = {}
+        for rid in loads:
+            view = self.follower.views.get(rid)
+            credit = view.held(hashes, self.cpu_credit) if view is not None else 0.0
+            held[rid] = max(credit, self._claimed(hashes, rid, now))
+        chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0])
+        return chosen, outcome, hashes
+
+    def forget_replicas(self, alive: list[str]) -> None:
+        self.follower.forget(alive)
+
+    def _claimed(self, hashes: list[int], replica: str, now: float) -> float:
+        n = 0
+        for h in hashes:
+            owner = self._claims.get(h)
+            if owner is None or owner[0] != replica or owner[1] < now:
+                break
+            n += 1
+        return float(n)
+
+    def claim(self, hashes: list[int], replica: str) -> None:
+        now = time.monotonic()
+        if len(self._claims) + len(hashes) > self.max_tracked:
+            self._claims = {h: c for h, c in self._claims.items() if c[1] >= now}
+            if len(self._claims) + len(hashes) > self.max_tracked:
+                self._claims.clear()
+        until = now + self.CLAIM_S
+        for h in hashes:
+            self._claims[h] = (replica, until)
