@@ -92,7 +92,9 @@ class ReplicaBlocks:
         for content, media in list(self._held.items()):
             for medium in media:
                 self._record(-1, content, medium)
-        self._names.clear(), self._held.clear(), self._engine_hash.clear()
+        self._names.clear()
+        self._held.clear()
+        self._engine_hash.clear()
 
     def _stored(self, event: Mapping[str, Any]) -> None:
         size = event.get("block_size") or self.block_size
@@ -178,7 +180,10 @@ class BlockView:
         else:
             for op, content, medium in reply["changes"]:
                 tier = self._tier(medium)
-                tier.add(content) if op > 0 else tier.discard(content)
+                if op > 0:
+                    tier.add(content)
+                else:
+                    tier.discard(content)
         self.epoch, self.seq, self.block_size = reply["epoch"], reply["seq"], reply["block_size"] or self.block_size
 
     def _tier(self, medium: str) -> set[int]:
