@@ -19,6 +19,9 @@
 #   bash scripts/gpu_host.sh quickstart    # one GPU: docs/getting-started/quickstart-gpu.md as typed (8B shapes)
 #   bash scripts/gpu_host.sh features      # one GPU, 8B shapes: the fp8 config vs bf16 vs bf16 + draft model
 #                                          # (bench/engine_features.py; VARIANTS="bf16 fp8" for a subset)
+#   bash scripts/gpu_host.sh sleep SCENARIO [ARGS]  # one GPU, 8B shapes: bench/sleep_swap.py, SCENARIO = sleep
+#                                          # (wake vs cold start, memory asleep / awake; ARGS e.g. --levels 1 2)
+#                                          # | swap (two models share_with on the one GPU, A A B B rounds)
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -163,5 +166,12 @@ PY
     grep -rh "Summit request path" /tmp/summit-ray-qs/session_latest/logs | tail -1 || true
     serve shutdown -y
   ) 2>&1 | tee "$out/quickstart.log" ;;
+sleep)
+  scenario=${2:-sleep}
+  shift 2 2>/dev/null || shift
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+  python3 bench/sleep_swap.py --model-dir "$model8b" --accelerator gpu --load-format dummy --scenario "$scenario" \
+    "$@" --json "$out/gpu-sleep-$scenario.json" 2>&1 | tee "$out/gpu-sleep-$scenario.log"
+  grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits-$scenario.txt" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -176,7 +176,8 @@ def direct_app(config: SummitConfig, shared: Shared) -> Application:
             role="entry",
         )
     )
-    if len(serving) == 1 and config.models[0].routing.policy == "least_load" and not config.models[0].lora:
+    only = config.models[0]
+    if len(serving) == 1 and only.routing.policy == "least_load" and not only.lora and only.sleep is None:
         return engines  # HAProxy's own choice (leastconn) is least-load: no routing call per request
     picker = serve.deployment(RoutePicker).options(**own_env(route_picker_options(config.ingress))).bind(engines)
     return engines._with_ingress_request_router(picker)

@@ -78,7 +78,9 @@ def replica_resources(model: ModelConfig) -> dict[str, Any]:
     # The builder adds the application's runtime_env (with_app_runtime_env); the engine's processes inherit them.
     actor = {"num_cpus": num_cpus, "runtime_env": {"env_vars": dict(NO_NVLINK_MULTICAST_ENV)}}
     if model.tensor_parallel_size * model.pipeline_parallel_size == 1:
-        return {"ray_actor_options": {**actor, "num_gpus": 1}}
+        # models sharing GPUs by turns (share_with): each replica takes its fraction of one GPU
+        share = model.share_group
+        return {"ray_actor_options": {**actor, "num_gpus": round(1 / share[1], 4) if share else 1}}
     plan = replica_placement(model)
     if model.distributed_executor() == "mp":
         (bundle,) = plan.bundles
@@ -106,8 +108,9 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
     else:
         options["num_replicas"] = d.num_replicas
     # least_load adds nothing (Serve's default router); the other policies name a Summit router and its kwargs. A model
-    # with LoRA adapters always has Summit's router, which reads the adapters each replica has loaded.
-    if model.lora:
+    # with LoRA adapters or sleep mode always has Summit's router, which reads the adapters each replica has loaded
+    # and which replicas sleep.
+    if model.lora or model.sleep is not None:
         options.update(pool_router_options({model.name: routing_kwargs(model)}))
     else:
         options.update(request_router_options(**routing_kwargs(model)))

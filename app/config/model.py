@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from app.config.checks import engine_checks
 from app.config.env import expand_env
 from app.config.lora import LORA_ENGINE_KEYS, LoraOptions
-from app.config.options import DeploymentOptions, RoutingOptions, Strict
+from app.config.options import DeploymentOptions, RoutingOptions, SleepOptions, Strict
+from app.config.sleep import sleep_problem
 
 # vLLM's own default batch size (`--max-num-seqs`), which Summit's deployment defaults are derived from. The engine
 # package imports it from here (the runtime imports the schema, never the other way).
@@ -144,6 +145,14 @@ class ModelConfig(Strict):
         description="LoRA adapters served on this model, each an OpenAI `model` name "
         "(docs/features/engine-features.md).",
     )
+    share_with: str | None = Field(
+        None,
+        description="Another model of this YAML whose GPUs this one shares by time: each replica of either takes a "
+        "fraction of one GPU, one engine of the group is awake at a time (vLLM sleep mode), a request for a sleeping "
+        "model wakes it once the awake one's running requests finish (docs/features/sleep-mode.md).",
+    )
+    # (model the group shares with, models in the group): set by SummitConfig for the members of a share_with group
+    _share: tuple[str, int] | None = PrivateAttr(None)
     model_preset: str | None = Field(
         None,
         description="Architecture preset (llama-3.1-8b/70b/405b) that `summit validate` sizes when the checkpoint's "
@@ -176,6 +185,22 @@ class ModelConfig(Strict):
                 f"model {self.name!r}: give exactly one of `source` (a path) or `source_env` (an env var name)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _sleep_possible(self) -> ModelConfig:
+        if problem := sleep_problem(self):
+            raise ValueError(problem)
+        return self
+
+    @property
+    def share_group(self) -> tuple[str, int] | None:
+        """(the model its group shares GPUs with, the group's size), or None when it shares with none."""
+        return self._share
+
+    @property
+    def sleep(self) -> SleepOptions | None:
+        """The replica's sleep mode: `deployment.sleep`, else the defaults where the model shares a GPU, else None."""
+        return self.deployment.sleep or (SleepOptions() if self._share is not None else None)
 
     @model_validator(mode="after")
     def _kv_offload_on_gpus(self) -> ModelConfig:

@@ -13,6 +13,29 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SleepOptions(Strict):
+    """When a replica's engine sleeps, how deep, and (models sharing a GPU) how long a model keeps it."""
+
+    after_idle_s: float | None = Field(
+        None,
+        gt=0,
+        description="Put the engine to sleep after this many seconds without requests; the next request wakes it "
+        "(it waits, it is not refused). None: sleep only to let a model that shares the GPU run (share_with).",
+    )
+    level: Literal[1, 2] = Field(
+        1,
+        description="vLLM's sleep level. 1: weights to CPU memory, KV cache freed (wake: a copy back, seconds). "
+        "2: weights and KV cache freed (wake: the weights are loaded again from the checkpoint).",
+    )
+    min_awake_s: float = Field(
+        5.0,
+        ge=0,
+        description="share_with: once awake, a model keeps the GPU at least this long while it has requests; then, "
+        "if another model of its group waits, it takes no new requests, lets its running ones finish (never "
+        "mid-stream) and sleeps. Requests wait in arrival order, so no model starves.",
+    )
+
+
 class DeploymentOptions(Strict):
     """Ray Serve options of one model's engine deployment."""
 
@@ -46,6 +69,11 @@ class DeploymentOptions(Strict):
     )
     graceful_shutdown_timeout_s: float = Field(
         20.0, ge=0, description="Time given to running requests when a replica stops."
+    )
+    sleep: SleepOptions | None = Field(
+        None,
+        description="vLLM sleep mode: the engine sleeps when idle (after_idle_s) or while a model sharing its GPU "
+        "runs (share_with), and wakes for the next request (docs/features/sleep-mode.md).",
     )
 
 

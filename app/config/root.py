@@ -9,6 +9,7 @@ from app.config.batch import BatchOptions
 from app.config.model import ModelConfig
 from app.config.monitoring import MonitoringOptions
 from app.config.options import AuthOptions, IngressOptions, Strict
+from app.config.sleep import share_groups
 
 
 class SummitConfig(Strict):
@@ -53,6 +54,14 @@ class SummitConfig(Strict):
                         f"models[{m.name!r}].deployment.autoscaling_config.policy: latency targets are read from "
                         "vLLM's metrics; set `monitoring: {metrics: true}` or drop the targets"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _share_groups(self) -> SummitConfig:
+        """Tells each member of a share_with group its group (its replicas' GPU fraction and sleep mode follow)."""
+        for root, members in share_groups(self.models).items():
+            for m in members:
+                m._share = (root, len(members))
         return self
 
     @property

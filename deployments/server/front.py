@@ -4,10 +4,10 @@ On the direct path Serve serves it on the replica's own HTTP port, behind HAProx
 two-hop path the ingress (hops/ingress.py) ran the entry's steps and `LLMServer.handle_http` runs this same app for
 the request it passed on (`ctx.internal`: key and rate limit are not checked again). A generation request runs one
 pipeline: the entry's steps (pipeline/entry.py: key, body, model, rate limit), then — when this replica's engine
-serves the model — the replica's (engine alive, measured, admitted, its LoRA adapter loaded, the prefill pool first
-for a disaggregated model, marked to resume elsewhere), then the engine call (server/engine_call.py). A request for
-another model of the deployment goes on to one of that model's replicas. Refusals are answered in one place
-(pipeline/context.answer).
+serves the model — the replica's (engine alive, measured, admitted, its engine awake, its LoRA adapter loaded, the
+prefill pool first for a disaggregated model, marked to resume elsewhere), then the engine call
+(server/engine_call.py). A request for another model of the deployment goes on to one of that model's replicas.
+Refusals are answered in one place (pipeline/context.answer).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from deployments.pipeline.prefill import Disaggregated, prefill_first
 from deployments.pipeline.rate_limit import Limits
 from deployments.server.engine_call import EngineCall
 from deployments.server.models import ModelTable
+from deployments.server.sleep import Sleeper
 
 logger = logging.getLogger("ray.serve")
 
@@ -84,6 +85,7 @@ class FrontOptions:
     metrics: ReplicaMetrics | None = None  # serving metrics (monitoring.metrics)
     tracing: Tracing | None = None  # traces (monitoring.tracing)
     batch_share: BatchShare | None = None  # told of online requests: batch lines make room for them
+    sleeper: Sleeper | None = None  # the engine's sleep mode (deployment.sleep, share_with): a request wakes it
 
 
 # The routes a request's metrics and trace are kept for: the model's work (not the tokenizer's)
@@ -105,6 +107,7 @@ class ReplicaFront(Entry):
             self._engine_alive,
             self._measured,
             self._admitted,
+            self._awake,
             self._adapter_loaded,
             *([prefill_first(o.disaggregated)] if o.disaggregated is not None else []),
             resumable_stream(o.migration, o.resume_to, o.chat_parsers, engine.detokenizer, engine.replica_id),
@@ -180,6 +183,16 @@ class ReplicaFront(Entry):
         if ctx.watch is not None:
             ctx.watch.span("summit.queue", queued_ns, time.time_ns())
         return None
+
+    async def _awake(self, ctx: RequestContext) -> None:
+        """A sleeping engine is woken (the request waits; where models share the GPU, for this model's turn); it
+        stays awake while the request runs. Tokenizing needs no engine."""
+        sleeper = self.options.sleeper
+        if sleeper is not None and ctx.path in MEASURED_ROUTES:
+            woke_ns = time.time_ns()
+            await ctx.exits.enter_async_context(sleeper.use())
+            if ctx.watch is not None and time.time_ns() - woke_ns > 1_000_000:
+                ctx.watch.span("summit.wake", woke_ns, time.time_ns())
 
     async def _adapter_loaded(self, ctx: RequestContext) -> OpenAIError | None:
         """One of this model's LoRA adapters: loaded into the engine (held while the request runs)."""

@@ -29,6 +29,7 @@ from deployments.routing.choose import can_route
 from deployments.server.config import ServerConfig
 from deployments.server.front import EngineSide, FrontOptions, ReplicaFront
 from deployments.server.models import ModelTable
+from deployments.server.sleep import Sleeper
 from deployments.server.startup import model_cards
 
 logger = logging.getLogger("ray.serve")
@@ -45,6 +46,7 @@ class FrontHost:
     _tracing: Tracing
     _engine_app: EngineApp
     _own_handle: DeploymentHandle | None = None
+    _sleeper: Sleeper | None = None  # the engine's sleep mode (the replica process only)
     _deployment: tuple[str, str] | None = None  # (deployment, app) where not in a Serve replica
 
     def _build_front(self, replica_id: str, fronts: int = 1) -> None:
@@ -113,6 +115,7 @@ class FrontHost:
             metrics=self._metrics if c.monitoring.metrics else None,
             tracing=self._tracing if self._tracing.enabled else None,
             batch_share=BatchShare(),
+            sleeper=self._sleeper,
         )
         if c.batch_api is not None:
             options.batch_api = lambda request, h=c.batch_api.options(stream=True): h.handle_http.remote(request)

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 import ray
+from ray import serve
 
 from app.config import ModelConfig
 from deployments import engine
@@ -27,8 +28,10 @@ from deployments.server.batch_lines import BatchLines, LineAnswer
 from deployments.server.config import ServerConfig
 from deployments.server.front_host import FrontHost
 from deployments.server.front_process import FrontProcesses
+from deployments.server.gpu_share import ShareGroupClient, group_name
 from deployments.server.kv_events import start_kv_events
 from deployments.server.pool import pool_model_index
+from deployments.server.sleep import Sleeper
 from deployments.server.startup import (
     LoadProgress,
     replica_full_id,
@@ -62,7 +65,7 @@ class LLMServer(FrontHost):
         kv_sockets = None
         if model.routing.policy == "kv_cache":
             self._kv_events, kv_sockets = await start_kv_events(replica_full_id())
-        self._engine_app = await self._start_engine(model, source, kv_sockets)
+        self._engine_app = await self._start_sleeping_engine(model, source, kv_sockets)
         if self._kv_events is not None:
             await self._kv_events.set_block_size.remote(engine.kv_block_size(self._engine_app.engine))
         self._tracing = Tracing(monitoring.tracing)
@@ -80,6 +83,21 @@ class LLMServer(FrontHost):
         self._metrics.start_counters()
         if monitoring.metrics:
             self._engine_metrics = metrics.EngineMetricsBridge(engine.engine_metric_samples, self._replica_id).start()
+
+    async def _start_sleeping_engine(self, model: ModelConfig, source: str, kv_sockets: tuple[str, str] | None):
+        """The engine, started in this replica's turn on its GPU where models share it; with sleep mode, put to sleep
+        when idle or when another model waits for the GPU (server/sleep.py)."""
+        if model.sleep is None:
+            return await self._start_engine(model, source, kv_sockets)
+        turns = None
+        if model.share_group is not None:
+            context = ray.get_runtime_context()
+            app = serve.get_replica_context().app_name
+            name = group_name(app, model.share_group[0], context.get_node_id(), ray.get_gpu_ids())
+            turns = ShareGroupClient(name, self._replica_id)
+            logger.info("%s shares its GPU by turns (group %s)", model.name, name)
+        self._sleeper = Sleeper(_EngineSleep(self), model.sleep, turns, model.name)
+        return await self._sleeper.start(lambda: self._start_engine(model, source, kv_sockets))
 
     async def _start_engine(self, model: ModelConfig, source: str, kv_sockets: tuple[str, str] | None = None):
         """vLLM's engine and OpenAI app for `model`, warmed up: the replica is ready once its engine answered.
@@ -112,9 +130,12 @@ class LLMServer(FrontHost):
         """What Summit's routers read per replica: the model it serves (a deployment may host several), its LoRA
         adapters and which of them it has loaded."""
         adapters = self._front.table.adapters
+        stats: dict = {"model": self.model}
+        if self._sleeper is not None:  # a sleeping replica is available but cold: routers prefer awake ones
+            stats["asleep"] = not self._sleeper.awake
         if adapters is None:
-            return {"model": self.model}
-        return {"model": self.model, "adapters": sorted(adapters.paths), "loaded": adapters.loaded()}
+            return stats
+        return {**stats, "adapters": sorted(adapters.paths), "loaded": adapters.loaded()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What Serve's autoscaling policy reads per replica (custom metrics): the p90 time to first token and
@@ -138,9 +159,14 @@ class LLMServer(FrontHost):
         """A group of batch lines ([{"url", "body", "request_id"}], one model's) run on this replica's engine; each
         line's answer as it finishes (server/batch_lines.py). `route`: what the routers read (the lines' model, the
         first line's body); `busy_share`: the fraction of the engine's sequences batch lines may hold while online
-        requests run on this replica (None: the last one given)."""
-        async for answer in self._batch.run(lines, busy_share):
-            yield answer
+        requests run on this replica (None: the last one given). A sleeping engine wakes for them."""
+        if self._sleeper is None:
+            async for answer in self._batch.run(lines, busy_share):
+                yield answer
+            return
+        async with self._sleeper.use():
+            async for answer in self._batch.run(lines, busy_share):
+                yield answer
 
     async def _internal_front(self, scope, receive, send) -> None:
         """The front for a request that came through a Serve handle: it was let in (API key) where it entered."""
@@ -179,6 +205,9 @@ class LLMServer(FrontHost):
             "fronts": await self._fronts.stats() if self._fronts is not None else [],
             # routing.policy kv_cache: the blocks indexed from the engine's KV events
             "kv_events": await self._kv_events.stats.remote() if self._kv_events is not None else None,
+            # sleep mode: Summit's view (asleep, wakes, sleeps, last wake's seconds) and the engine's own
+            "sleep": self._sleeper.stats() if self._sleeper is not None else None,
+            "engine_sleeping": await engine.engine_is_sleeping(self._engine_app.engine),
         }
 
     async def adapters(self) -> dict:
@@ -194,6 +223,8 @@ class LLMServer(FrontHost):
         return {"replica_id": self._replica_id, "model": self.model, "spans": self._tracing.recent_spans(trace_id)}
 
     def __del__(self):
+        if self._sleeper is not None:
+            self._sleeper.stop()
         # Without this each replica leaks its engine's shared-memory segments and sockets.
         fronts = getattr(self, "_fronts", None)
         if fronts is not None:  # their requests need the engine core, which goes with this process's client
@@ -206,3 +237,16 @@ class LLMServer(FrontHost):
         if kv_events is not None:
             ray.kill(kv_events)
             self._kv_events = None
+
+
+class _EngineSleep:
+    """The replica's engine as its Sleeper puts it to sleep and wakes it."""
+
+    def __init__(self, server: LLMServer):
+        self._server = server
+
+    async def sleep(self, level: int) -> None:
+        await engine.sleep_engine(self._server._engine_app.engine, level)
+
+    async def wake(self, level: int) -> None:
+        await engine.wake_engine(self._server._engine_app.engine, level)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 
 import httpx
@@ -36,6 +37,7 @@ POOL = "LLMServer:" + "+".join(
     [MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED, EMBED]
 )  # the direct path's one deployment
 REPLICAS = 4 + len(ARCHS)
+IDLE_S = 3  # the embedding model's deployment.sleep.after_idle_s
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,19 @@ def features_app(tiny_model_dir, tmp_path_factory):
         for arch in ARCHS
     ]
     # the tiny Llama's own checkpoint, quantized by vLLM as it loads (the one method that does so on CPU engines)
-    quantized = tiny_model(QUANTIZED, {"max_model_len": 2048, "quantization": "fp8_per_channel"}, {"num_replicas": 1})
-    embed = tiny_model(EMBED, {"max_model_len": 2048, "runner": "pooling", "convert": "embed"}, {"num_replicas": 1})
+    # These two share one GPU's turns (CPU here: vLLM's real sleep pauses the engine and empties its prefix cache,
+    # freeing no memory); the embedding model also sleeps when idle.
+    quantized = tiny_model(
+        QUANTIZED,
+        {"max_model_len": 2048, "quantization": "fp8_per_channel"},
+        {"num_replicas": 1, "sleep": {"min_awake_s": 1}},
+        share_with=EMBED,
+    )
+    embed = tiny_model(
+        EMBED,
+        {"max_model_len": 2048, "runner": "pooling", "convert": "embed"},
+        {"num_replicas": 1, "sleep": {"after_idle_s": IDLE_S, "min_awake_s": 1}},
+    )
     # Tool calls through vLLM's JSON-schema path (honours disable_any_whitespace). vLLM 0.32's default, xgrammar's
     # Llama structural tag, lets whitespace between keys, and a random model writes newlines until max_tokens.
     env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": API_KEY}
@@ -160,6 +173,56 @@ def test_an_embedding_model_serves_the_pooling_routes(features_app, client):
     assert len(scores) == 2 and scores[1] == pytest.approx(1.0, abs=1e-3)  # the text with itself: cosine 1
     assert scores[0] < scores[1]
     assert httpx.post(url + "/v1/embeddings", json={"model": EMBED, "input": "x"}, timeout=60).status_code == 401
+
+
+def _sleep_stats(features_app) -> dict[str, dict]:
+    """The two GPU-sharing models' replicas: Summit's sleep counts and the engine's own `is_sleeping()`."""
+    stats = probe(features_app.address, "each", APP, POOL, "stats", "--replicas", str(REPLICAS))
+    return {s["model"]: {**s["sleep"], "engine_sleeping": s["engine_sleeping"]} for s in stats.values() if s["sleep"]}
+
+
+def test_two_models_sharing_a_gpu_take_turns_never_mid_stream_and_sleep_when_idle(features_app, client):
+    """`share_with`: one engine of the two awake at a time. An embeddings request sent while the fp8 model streams
+    waits for the whole stream (never cut), then the fp8 engine sleeps and the embedding engine wakes (vLLM's own
+    `is_sleeping()` says so); idle for `after_idle_s`, the embedding engine sleeps too; the next request wakes its
+    engine and is answered."""
+    before = _sleep_stats(features_app)
+    assert set(before) == {QUANTIZED, EMBED}, before
+    stream = client.completions.create(
+        model=QUANTIZED,
+        prompt="The ridge at dawn",
+        max_tokens=160,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [next(stream)]  # the fp8 engine is awake and streaming
+    embedded: dict = {}
+
+    def embed() -> None:
+        embedded["vectors"] = client.embeddings.create(model=EMBED, input=["A storm over the pass."]).data
+        embedded["at"] = time.monotonic()
+
+    thread = threading.Thread(target=embed, daemon=True)
+    thread.start()
+    chunks += list(stream)
+    stream_ended = time.monotonic()
+    thread.join(120)
+    assert embedded.get("vectors"), "the embeddings request was not answered"
+    assert chunks[-1].usage.completion_tokens == 160  # the stream was not cut by the swap
+    assert embedded["at"] > stream_ended  # the embedding engine woke only after the stream ended
+    during = _sleep_stats(features_app)
+    assert during[QUANTIZED]["sleeps"] > before[QUANTIZED]["sleeps"]
+    assert during[EMBED]["wakes"] > before[EMBED]["wakes"] or during[EMBED]["sleeps"] > before[EMBED]["sleeps"]
+    assert during[QUANTIZED]["engine_sleeping"], during  # vLLM's engine itself reports sleep
+    # idle for IDLE_S: the embedding engine sleeps as well (both asleep now)
+    assert wait_for(lambda: all(s["engine_sleeping"] for s in _sleep_stats(features_app).values()), 60, 1)
+    wakes = _sleep_stats(features_app)[QUANTIZED]["wakes"]
+    text, _ = complete(client, QUANTIZED)
+    after = _sleep_stats(features_app)
+    assert text and after[QUANTIZED]["wakes"] == wakes + 1 and not after[QUANTIZED]["engine_sleeping"], after
+    assert after[EMBED]["engine_sleeping"]
 
 
 def test_a_model_answers_only_its_tasks_routes_naming_them(client):

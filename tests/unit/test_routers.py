@@ -37,6 +37,7 @@ class FakeReplica:
         self.misses = misses  # probes it lets pass their deadline before it answers one (at once)
         self.probes = 0
         self.max_ongoing_requests = 100
+        self.routing_stats: dict = {}  # what the replica reported (record_routing_stats)
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
         self.probes += 1
@@ -213,6 +214,35 @@ def test_each_model_of_a_shared_deployment_is_routed_by_its_own_policy():
     sessions, least = asyncio.run(scenario())
     assert all(len(chosen) == 1 and chosen <= {"s1", "s2"} for chosen in sessions.values()), sessions
     assert least == {"l2"}  # the session key means nothing to `l`: by load, among its own replicas
+
+
+def test_a_sleeping_replica_takes_requests_only_when_the_awake_ones_are_asleep_load_busier():
+    """deployment.sleep: a replica that reports its engine asleep counts ASLEEP_LOAD more ongoing requests, so an
+    awake one of its model is chosen until that one is that much busier; a call without a request (a probe of every
+    replica) goes by load alone."""
+    from deployments.routing.routers import ASLEEP_LOAD
+
+    async def scenario():
+        awake, asleep = FakeReplica("awake"), FakeReplica("asleep")
+        awake.routing_stats, asleep.routing_stats = {"model": "m"}, {"model": "m", "asleep": True}
+        router = make_router(ModelPolicyRouter, [awake, asleep], policies={"m": {"policy": "least_load"}})
+
+        def req() -> PendingRequest:
+            p = pending({"model": "m", "prompt": "x"})
+            p.args[0].model = "m"
+            return p
+
+        chosen = {await route(router, req()) for _ in range(6)}
+        set_load(router, awake, ASLEEP_LOAD + 1)
+        busier = {await route(router, req()) for _ in range(6)}
+        set_load(router, awake, 1)
+        probes = {
+            (await router.choose_replicas(router._replicas_list, None))[0][0].replica_id.unique_id for _ in range(6)
+        }
+        return chosen, busier, probes
+
+    chosen, busier, probes = asyncio.run(scenario())
+    assert chosen == {"awake"} and busier == {"asleep"} and probes == {"asleep"}
 
 
 def test_a_model_no_replica_serves_goes_to_any_replica_at_once_its_own_models_wait():
