@@ -82,9 +82,10 @@ def ttft_ms(base_url: str, model: str, max_tokens: int = 16) -> float:
 
     async def one() -> float:
         async with httpx.AsyncClient(timeout=600) as client:
-            ttft, tokens, _ = await stream_completion(client, base_url + "/v1/completions", body)
+            timing: dict = {}
+            ttft, tokens, _ = await stream_completion(client, base_url + "/v1/completions", body, timing)
             if ttft is None or tokens < 0:
-                raise RuntimeError(f"request to {model} failed")
+                raise RuntimeError(f"request to {model} failed: {timing.get('error')}")
             return ttft * 1000
 
     return asyncio.run(one())
@@ -187,6 +188,14 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def print_replica_log_errors(cluster: LocalCluster, lines: int = 60) -> None:
+    """The end of the replicas' logs that tells of sleep, wake and errors (a failed run's why)."""
+    needles = ("Error", "error", "Traceback", "asleep", "awake", "wake", "sleep")
+    for log in sorted(cluster.temp_dir.glob("session_*/logs/serve/replica_*.log")):
+        hits = [x for x in log.read_text(errors="replace").splitlines() if any(n in x for n in needles)]
+        print(f"--- {log.name}", *hits[-lines:], sep="\n", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", help="model or config dir (default: make the tiny model)")
@@ -213,17 +222,17 @@ def main() -> None:
     rows: list[dict] = []
     try:
         cluster.start()
-        if ns.scenario == "sleep":
-            for level in ns.levels:
-                rows += bench_sleep(ns, cluster, model_dir, level)
-        else:
-            rows += bench_swap(ns, cluster, model_dir)
+        for level in ns.levels if ns.scenario == "sleep" else [None]:
+            rows += bench_sleep(ns, cluster, model_dir, level) if level else bench_swap(ns, cluster, model_dir)
+            if ns.json:  # kept as each part ends (a run cut off by a time limit keeps what it measured)
+                Path(ns.json).write_text(json.dumps(rows, indent=1) + "\n")
+    except Exception:
+        print_replica_log_errors(cluster)
+        raise
     finally:
         cluster.stop()
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k != "replica_stats"}), flush=True)
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

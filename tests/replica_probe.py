@@ -89,7 +89,8 @@ def _ask(address: str, args: tuple[str, ...], timeout_s: float) -> dict:
         driver = _DRIVERS[address] = subprocess.Popen(
             [sys.executable, "-m", "tests.replica_probe", "--address", address, "serve"],
             cwd=REPO,
-            env=loopback_env({"PYTHONPATH": str(REPO)}),
+            # the repository first, then what the caller's path has (the GPU host's vLLM and Ray live there)
+            env=loopback_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

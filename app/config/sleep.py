@@ -57,12 +57,17 @@ def _check_member(m: ModelConfig, root: ModelConfig) -> None:
 
 def sleep_problem(m: ModelConfig) -> str | None:
     """Why the model's `deployment.sleep` cannot work, or None."""
-    if m.deployment.sleep is None:
+    if m.sleep is None:
         return None
     if m.disaggregation is not None:
         return (
             f"models[{m.name!r}].deployment.sleep: not supported with disaggregation (the other pool's engine "
             "would not know); remove one of them"
+        )
+    if m.sleep.level == 2 and m.engine_kwargs.get("load_format") == "dummy":
+        return (
+            f"models[{m.name!r}].deployment.sleep.level: 2 discards the weights and reloads them on wake, which vLLM "
+            "refuses for engine_kwargs.load_format: dummy ('Model reloading with `dummy` format'); use level 1"
         )
     if m.front_processes > 1:
         return (

@@ -2,57 +2,56 @@
 pass one token between them; only its holder's engine is awake (deployments/server/sleep.py).
 
 `GpuTurns` is the logic (pure asyncio): one holder, the others waiting in arrival order; a holder learns through a
-long poll (`wanted`) that another waits, and its polls are its heartbeat: one silent for LEASE_S (its process died)
-loses the token, as does a waiter that stopped asking. `ShareGroup` is the Ray actor around it, named after the
-application, the group and the GPU (so exactly the replicas on that GPU meet there), created by the first of them.
+long poll (`wanted`) that another waits. A member whose process is gone loses its turn or its place: members are named
+`<replica>@<pid>` and the group's actor runs on their node, where it sees their processes. (Not a heartbeat: a
+replica's event loop stops for a minute while vLLM starts its engine, and a turn that lapsed then would let a second
+engine wake on the GPU.) `ShareGroup` is the Ray actor around it, named after the application, the group and the
+GPU (so exactly the replicas on that GPU meet there), created by the first of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import os
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 logger = logging.getLogger("ray.serve")
 NAMESPACE = "serve"
-LEASE_S = 30.0  # a holder or waiter not heard of for this long is gone
-POLL_S = 5.0  # how often a waiter says it still waits (and the holder, through `wanted`, that it lives)
+POLL_S = 5.0  # how often a waiter looks whether the holder's process is gone
 
 
 class GpuTurns:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, lease_s: float = LEASE_S):
+    def __init__(self, alive: Callable[[str], bool] = lambda member: True):
         self.holder: str | None = None
-        self.waiting: dict[str, float] = {}  # member -> when last heard of, in arrival order
-        self._clock, self._lease_s = clock, lease_s
-        self._beat = 0.0  # when the holder was last heard of
+        self.waiting: list[str] = []  # in arrival order
+        self._alive = alive
         self._changed = asyncio.Condition()
 
-    async def acquire(self, member: str, poll_s: float = POLL_S) -> None:
-        """Returns once `member` holds the token (at once if it does)."""
+    async def acquire(self, member: str, poll_s: float = POLL_S) -> bool:
+        """Returns True once `member` holds the token (at once if it does); False if its process is gone."""
         async with self._changed:
-            self.waiting.setdefault(member, self._clock())
+            if member not in self.waiting and self.holder != member:
+                self.waiting.append(member)
             self._changed.notify_all()  # the holder's `wanted` learns someone waits
             while True:
-                self._expire()
-                self.waiting[member] = self._clock()
-                if self.holder == member or (self.holder is None and next(iter(self.waiting)) == member):
-                    del self.waiting[member]
-                    self.holder, self._beat = member, self._clock()
+                self._drop_the_gone()
+                if member != self.holder and member not in self.waiting:
+                    return False  # its caller died; Ray still ran this call
+                if self.holder == member or (self.holder is None and self.waiting[0] == member):
+                    if member in self.waiting:
+                        self.waiting.remove(member)
+                    self.holder = member
                     self._changed.notify_all()
-                    return
+                    return True
                 with suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), poll_s)
-
-    def beat(self, member: str) -> None:
-        """The holder says it lives (while it starts, wakes or drains its engine: no `wanted` poll then)."""
-        if self.holder == member:
-            self._beat = self._clock()
 
     async def release(self, member: str) -> None:
         async with self._changed:
@@ -66,40 +65,43 @@ class GpuTurns:
         async with self._changed:
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait_for(lambda: self._others_wait(member)), timeout_s)
-            if self.holder == member:
-                self._beat = self._clock()
             return self._others_wait(member)
 
     def _others_wait(self, member: str) -> bool:
         return self.holder != member or any(m != member for m in self.waiting)
 
-    def _expire(self) -> None:
-        now = self._clock()
-        if self.holder is not None and now - self._beat > self._lease_s:
-            logger.warning("GPU turn of %s expired (not heard of for %.0f s): passed on", self.holder, self._lease_s)
+    def _drop_the_gone(self) -> None:
+        if self.holder is not None and not self._alive(self.holder):
+            logger.warning("GPU turn holder %s is gone: its turn passes on", self.holder)
             self.holder = None
-        for m, seen in list(self.waiting.items()):
-            if now - seen > self._lease_s:
-                del self.waiting[m]
+        self.waiting = [m for m in self.waiting if self._alive(m)]
 
     def state(self) -> dict[str, Any]:
         return {"holder": self.holder, "waiting": list(self.waiting)}
 
 
+def process_alive(member: str) -> bool:
+    """Whether the process of `member` (`<replica>@<pid>`, on this node) still runs."""
+    try:
+        os.kill(int(member.rsplit("@", 1)[1]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, IndexError):
+        return True
+    return True
+
+
 class ShareGroup:
-    """The Ray actor holding one GPU's turns."""
+    """The Ray actor holding one GPU's turns (on the members' node: it sees their processes)."""
 
     def __init__(self):
-        self._turns = GpuTurns()
+        self._turns = GpuTurns(process_alive)
 
-    async def acquire(self, member: str) -> None:
-        await self._turns.acquire(member)
+    async def acquire(self, member: str) -> bool:
+        return await self._turns.acquire(member)
 
     async def release(self, member: str) -> None:
         await self._turns.release(member)
-
-    def beat(self, member: str) -> None:
-        self._turns.beat(member)
 
     async def wanted(self, member: str, timeout_s: float = POLL_S) -> bool:
         return await self._turns.wanted(member, timeout_s)
@@ -118,15 +120,23 @@ class ShareGroupClient:
     """A replica's side: the group's actor, got or created on first use and again if it died (its first member's
     process went); the member then asks again."""
 
-    def __init__(self, name: str, member: str):
-        self.name, self.member = name, member
+    def __init__(self, name: str, replica_id: str):
+        self.name, self.member = name, f"{replica_id}@{os.getpid()}"
         self._actor = None
 
     def _handle(self):
         if self._actor is None:
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self._actor = (
                 ray.remote(ShareGroup)
-                .options(name=self.name, namespace=NAMESPACE, get_if_exists=True, num_cpus=0, max_concurrency=1000)
+                .options(
+                    name=self.name,
+                    namespace=NAMESPACE,
+                    get_if_exists=True,
+                    num_cpus=0,
+                    max_concurrency=1000,
+                    scheduling_strategy=here,
+                )
                 .remote()
             )
         return self._actor
@@ -147,9 +157,6 @@ class ShareGroupClient:
 
     async def release(self) -> None:
         await self._call("release")
-
-    async def beat(self) -> None:
-        await self._call("beat")
 
     async def wanted(self, timeout_s: float = POLL_S) -> bool:
         return bool(await self._call("wanted", timeout_s))

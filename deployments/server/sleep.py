@@ -20,7 +20,6 @@ from app.config.options import SleepOptions
 from deployments.http.errors import OpenAIError
 
 logger = logging.getLogger("ray.serve")
-BEAT_S = 5.0  # how often a turn's holder says it lives while it starts, wakes or drains (gpu_share.LEASE_S: 30 s)
 
 
 class EngineSleep(Protocol):
@@ -35,8 +34,6 @@ class Turns(Protocol):
     async def acquire(self) -> None: ...
 
     async def release(self) -> None: ...
-
-    async def beat(self) -> None: ...
 
     async def wanted(self, timeout_s: float = ...) -> bool: ...
 
@@ -60,8 +57,7 @@ class Sleeper:
         cache from the memory free when it starts); the engine is then awake."""
         if self._turns is not None:
             await self._turns.acquire()
-        async with self._holding_turn():
-            started = await start_engine()
+        started = await start_engine()
         self.awake = self.admitting = True
         self.awake_since = self.last_used = time.monotonic()
         if self._turns is not None:
@@ -102,8 +98,7 @@ class Sleeper:
             if self._turns is not None:
                 await self._turns.acquire()
             began = time.monotonic()
-            async with self._holding_turn():
-                await self._engine.wake(self.options.level)
+            await self._engine.wake(self.options.level)
             self.counts["wakes"] += 1
             self.counts["last_wake_s"] = round(time.monotonic() - began, 3)
             logger.info("engine of %s awake in %.2f s", self.model, self.counts["last_wake_s"])
@@ -131,11 +126,10 @@ class Sleeper:
             if not self.awake or self._busy:
                 return False
             self._busy, self.admitting = True, False
-        async with self._holding_turn():
-            async with self._cond:
-                await self._cond.wait_for(lambda: self.in_flight == 0)
-            began = time.monotonic()
-            slept = await self._sleep_engine()
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_flight == 0)
+        began = time.monotonic()
+        slept = await self._sleep_engine()
         if not slept:
             return False
         self.counts["sleeps"] += 1
@@ -158,27 +152,6 @@ class Sleeper:
                 self._cond.notify_all()
             return False
         return True
-
-    @asynccontextmanager
-    async def _holding_turn(self) -> AsyncIterator[None]:
-        """While the engine starts, wakes or drains, the holder tells the group it lives (else its turn lapses)."""
-        if self._turns is None:
-            yield
-            return
-
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(BEAT_S)
-                try:
-                    await self._turns.beat()
-                except Exception:  # noqa: BLE001 — the group's actor is gone: the next beat asks a new one
-                    logger.warning("GPU share group of %s unreachable", self.model)
-
-        task = asyncio.get_running_loop().create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
 
     async def _watch_turn(self) -> None:
         """The holder's side of the GPU's turns: yields once another model waits and this one was awake long

@@ -60,9 +60,6 @@ class LocalTurns:
     async def release(self) -> None:
         await self.turns.release(self.member)
 
-    async def beat(self) -> None:
-        self.turns.beat(self.member)
-
     async def wanted(self, timeout_s: float = 0.05) -> bool:
         return await self.turns.wanted(self.member, timeout_s)
 
@@ -171,11 +168,11 @@ async def _after(delay_s: float, coro) -> None:
     await coro
 
 
-def test_turns_go_in_arrival_order_and_a_silent_holder_loses_its_turn():
+def test_turns_go_in_arrival_order_and_a_holder_whose_process_is_gone_loses_its_turn():
     async def scenario():
-        now = [0.0]
-        turns = GpuTurns(clock=lambda: now[0], lease_s=30)
-        await turns.acquire("a")
+        gone: set[str] = set()
+        turns = GpuTurns(alive=lambda member: member not in gone)
+        assert await turns.acquire("a")
         b = asyncio.create_task(turns.acquire("b", poll_s=0.01))
         await asyncio.sleep(0.02)
         c = asyncio.create_task(turns.acquire("c", poll_s=0.01))
@@ -183,16 +180,15 @@ def test_turns_go_in_arrival_order_and_a_silent_holder_loses_its_turn():
         assert await turns.wanted("a", 0.5)
         assert turns.state() == {"holder": "a", "waiting": ["b", "c"]}
         await turns.release("a")
-        await b
+        assert await b
         assert turns.holder == "b" and not c.done()
-        now[0] = 10.0
-        turns.beat("b")
-        now[0] = 35.0  # b beat 25 s ago: still its turn
-        await asyncio.sleep(0.05)
-        assert turns.holder == "b"
-        now[0] = 45.0  # b silent for 35 s: its process died
-        await asyncio.wait_for(c, 1)
+        await asyncio.sleep(0.1)  # however long b holds it (its engine starting), c waits
+        assert turns.holder == "b" and not c.done()
+        gone.add("b")  # b's process died
+        assert await asyncio.wait_for(c, 1)
         assert turns.holder == "c"
+        gone.add("d")
+        assert not await turns.acquire("d", poll_s=0.01)  # a call whose caller died claims nothing
 
     _run(scenario())
 
@@ -230,6 +226,7 @@ def test_share_with_gives_each_replica_a_fraction_of_one_gpu_and_sleep_mode():
         ({"share_with": "a", "deployment": {"autoscaling_config": {"max_replicas": 2}}}, "autoscaling_config"),
         ({"share_with": "a", "accelerator": "cpu"}, "models['b'].accelerator"),
         ({"deployment": {"sleep": {"after_idle_s": 5}}, "front_processes": 2}, "front_processes"),
+        ({"deployment": {"sleep": {"level": 2}}, "engine_kwargs": {"load_format": "dummy"}}, "sleep.level"),
     ],
 )
 def test_a_yaml_that_cannot_sleep_or_share_is_refused_naming_the_key(second, key):
