@@ -31,12 +31,13 @@ ADAPTERS = ("tiny-sql", "tiny-poet")
 ARCHS = ("mistral", "qwen2", "mixtral")
 QUANTIZED = "tiny-fp8"
 EMBED = "tiny-embed"  # the tiny Llama run as a pooling model (vLLM's runner: pooling, convert: embed)
+CLASSIFY = "tiny-classify"  # ... and as a classifier (convert: classify)
 API_KEY = "sk-summit-features"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 POOL = "LLMServer:" + "+".join(
-    [MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED, EMBED]
+    [MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED, EMBED, CLASSIFY]
 )  # the direct path's one deployment
-REPLICAS = 4 + len(ARCHS)
+REPLICAS = 5 + len(ARCHS)
 IDLE_S = 3  # the embedding model's deployment.sleep.after_idle_s
 
 
@@ -74,7 +75,13 @@ def features_app(tiny_model_dir, tmp_path_factory):
         for arch in ARCHS
     ]
     # the tiny Llama's own checkpoint, quantized by vLLM as it loads (the one method that does so on CPU engines)
-    # These two share one GPU's turns (CPU here: vLLM's real sleep pauses the engine and empties its prefix cache,
+    classify = tiny_model(
+        CLASSIFY,
+        {"max_model_len": 2048, "runner": "pooling", "convert": "classify"},
+        {"num_replicas": 1, "sleep": {"min_awake_s": 1}},
+        share_with=EMBED,
+    )
+    # These three share one GPU's turns (CPU here: vLLM's real sleep pauses the engine and empties its prefix cache,
     # freeing no memory); the embedding model also sleeps when idle.
     quantized = tiny_model(
         QUANTIZED,
@@ -91,7 +98,7 @@ def features_app(tiny_model_dir, tmp_path_factory):
     # Llama structural tag, lets whitespace between keys, and a random model writes newlines until max_tokens.
     env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": API_KEY}
     with deployed(
-        [model, *families, quantized, embed],
+        [model, *families, quantized, embed, classify],
         tiny_model_dir,
         haproxy=True,
         env=env,
@@ -114,7 +121,7 @@ def complete(client, model: str, prompt: str = "The ridge at dawn", **kw):
 
 def test_models_lists_each_adapter_under_its_model(client):
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {MODEL, *ADAPTERS, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED, EMBED}
+    assert set(cards) == {MODEL, *ADAPTERS, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED, EMBED, CLASSIFY}
     assert all(getattr(cards[a], "parent", None) == MODEL for a in ADAPTERS)
     assert getattr(cards[MODEL], "parent", None) is None
 
@@ -173,6 +180,26 @@ def test_an_embedding_model_serves_the_pooling_routes(features_app, client):
     assert len(scores) == 2 and scores[1] == pytest.approx(1.0, abs=1e-3)  # the text with itself: cosine 1
     assert scores[0] < scores[1]
     assert httpx.post(url + "/v1/embeddings", json={"model": EMBED, "input": "x"}, timeout=60).status_code == 401
+    documents = ["The ridge at dawn.", "A storm over the pass."]
+    rerank = httpx.post(
+        url + "/rerank", json={"model": EMBED, "query": texts[0], "documents": documents}, headers=AUTH, timeout=60
+    )
+    assert rerank.status_code == 200, rerank.text
+    ranked = rerank.json()["results"]
+    assert [r["index"] for r in ranked] == [0, 1] and ranked[0]["relevance_score"] > ranked[1]["relevance_score"]
+
+
+def test_a_classifier_serves_classify_and_only_the_pooling_routes(features_app):
+    """The tiny Llama with vLLM's `convert: classify` answers /classify (a label and probabilities per input); its
+    generation and embedding routes are 404s naming /classify."""
+    url = features_app.base_url
+    body = {"model": CLASSIFY, "input": ["a ridge", "a storm"]}
+    answer = httpx.post(url + "/classify", json=body, headers=AUTH, timeout=60)
+    assert answer.status_code == 200, answer.text
+    data = answer.json()["data"]
+    assert len(data) == 2 and all(d["label"] and sum(d["probs"]) == pytest.approx(1.0) for d in data), data
+    refused = httpx.post(url + "/v1/embeddings", json={"model": CLASSIFY, "input": "x"}, headers=AUTH, timeout=60)
+    assert refused.status_code == 404 and "/classify" in refused.json()["error"]["message"].split("serves")[-1]
 
 
 def _sleep_stats(features_app) -> dict[str, dict]:
@@ -187,7 +214,7 @@ def test_two_models_sharing_a_gpu_take_turns_never_mid_stream_and_sleep_when_idl
     `is_sleeping()` says so); idle for `after_idle_s`, the embedding engine sleeps too; the next request wakes its
     engine and is answered."""
     before = _sleep_stats(features_app)
-    assert set(before) == {QUANTIZED, EMBED}, before
+    assert set(before) == {QUANTIZED, EMBED, CLASSIFY}, before
     stream = client.completions.create(
         model=QUANTIZED,
         prompt="The ridge at dawn",
