@@ -30,6 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.batch import bench_env  # noqa: E402
 from bench.loadgen import percentile, stream_completion  # noqa: E402
 from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
 from tests.replica_probe import probe  # noqa: E402
@@ -213,12 +214,7 @@ def main() -> None:
         from app.clusters.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(os.environ.get("TMPDIR", "/tmp")) / "summit-bench-sleep-tiny"))
-    env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"} if ns.accelerator == "cpu" else {}
-    if ns.accelerator == "gpu":
-        from deployments.engine import NO_NVLINK_MULTICAST_ENV
-
-        env = dict(NO_NVLINK_MULTICAST_ENV)
-    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=True)
+    cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=bench_env(ns), haproxy=True)
     rows: list[dict] = []
     try:
         cluster.start()

@@ -136,7 +136,10 @@ class Sleeper:
         self.counts["last_sleep_s"] = round(time.monotonic() - began, 3)
         logger.info("engine of %s asleep (%s) in %.2f s", self.model, why, self.counts["last_sleep_s"])
         if self._turns is not None:  # before anyone may ask again: a new wake queues behind the waiting models
-            await self._turns.release()
+            try:
+                await self._turns.release()
+            except Exception:  # noqa: BLE001 — the group's actor is gone: a new one starts with no holder
+                logger.exception("GPU share group of %s unreachable to pass the turn on", self.model)
         async with self._cond:
             self.awake = self._busy = False
             self._cond.notify_all()
@@ -168,6 +171,7 @@ class Sleeper:
                 await asyncio.sleep(max(0.0, self.awake_since + self.options.min_awake_s - time.monotonic()))
                 if await self.put_to_sleep("another model waits for the GPU"):
                     return
+                await asyncio.sleep(1.0)  # its engine failed to sleep (logged): try again, not at once
 
     async def _watch_idle(self) -> None:
         after = float(self.options.after_idle_s)

@@ -114,15 +114,21 @@ def test_a_failed_wake_answers_its_waiters_503_and_the_next_request_tries_again(
     _run(scenario())
 
 
+async def _two_sharing(min_awake_s: float) -> tuple[dict[str, FakeEngine], dict[str, Sleeper]]:
+    """Models a and b on one GPU (fake engines), both started: a first, then b in its turn."""
+    gpu: set[str] = set()
+    turns = GpuTurns()
+    engines = {n: FakeEngine(n, gpu) for n in ("a", "b")}
+    options = SleepOptions(min_awake_s=min_awake_s)
+    sleepers = {n: Sleeper(e, options, LocalTurns(turns, n), n) for n, e in engines.items()}
+    for n in ("a", "b"):
+        await sleepers[n].start(engines[n].start)
+    return engines, sleepers
+
+
 def test_models_sharing_a_gpu_take_turns_one_awake_and_never_mid_request():
     async def scenario():
-        gpu: set[str] = set()
-        turns = GpuTurns()
-        engines = {n: FakeEngine(n, gpu) for n in ("a", "b")}
-        sleepers = {n: Sleeper(e, SleepOptions(min_awake_s=0.1), LocalTurns(turns, n), n) for n, e in engines.items()}
-        await sleepers["a"].start(engines["a"].start)
-        starting_b = asyncio.create_task(sleepers["b"].start(engines["b"].start))  # waits for a's turn to end
-        await starting_b
+        engines, sleepers = await _two_sharing(min_awake_s=0.1)  # b's start waited for a's turn to end
         assert engines["a"].calls == ["sleep1"] and sleepers["b"].awake and not sleepers["a"].awake
         log: list[str] = []
         # b runs a long request; a's request must wait until it ended (never mid-request), then a wakes
@@ -138,12 +144,7 @@ def test_models_sharing_a_gpu_take_turns_one_awake_and_never_mid_request():
 
 def test_a_busy_model_yields_the_gpu_after_min_awake_s_so_the_other_is_not_starved():
     async def scenario():
-        gpu: set[str] = set()
-        turns = GpuTurns()
-        engines = {n: FakeEngine(n, gpu) for n in ("a", "b")}
-        sleepers = {n: Sleeper(e, SleepOptions(min_awake_s=0.2), LocalTurns(turns, n), n) for n, e in engines.items()}
-        await sleepers["a"].start(engines["a"].start)
-        await sleepers["b"].start(engines["b"].start)
+        engines, sleepers = await _two_sharing(min_awake_s=0.2)
         served: list[str] = []
 
         async def busy(name: str, until: float) -> None:  # back-to-back requests, never idle
