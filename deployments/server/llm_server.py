@@ -9,6 +9,7 @@ Every request runs through the replica's front (server/front.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -207,8 +208,16 @@ class LLMServer(FrontHost):
             "kv_events": await self._kv_events.stats.remote() if self._kv_events is not None else None,
             # sleep mode: Summit's view (asleep, wakes, sleeps, last wake's seconds) and the engine's own
             "sleep": self._sleeper.stats() if self._sleeper is not None else None,
-            "engine_sleeping": await engine.engine_is_sleeping(self._engine_app.engine),
+            "engine_sleeping": await self._engine_sleeping() if self._sleeper is not None else None,
         }
+
+    async def _engine_sleeping(self) -> bool | None:
+        """vLLM's own `is_sleeping()`: a call into the engine core, so bounded (None: no answer within 5 s, as from a
+        paused or dead engine)."""
+        try:
+            return await asyncio.wait_for(engine.engine_is_sleeping(self._engine_app.engine), 5)
+        except Exception:  # noqa: BLE001 — stats stay live whatever the engine does
+            return None
 
     async def adapters(self) -> dict:
         """This replica's LoRA adapters: `loaded`, what Summit holds loaded (and reports to the routers), beside the

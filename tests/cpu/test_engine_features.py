@@ -229,16 +229,16 @@ def test_two_models_sharing_a_gpu_take_turns_never_mid_stream_and_sleep_when_idl
 
     def embed() -> None:
         embedded["vectors"] = client.embeddings.create(model=EMBED, input=["A storm over the pass."]).data
-        embedded["at"] = time.monotonic()
 
     thread = threading.Thread(target=embed, daemon=True)
     thread.start()
     chunks += list(stream)
-    stream_ended = time.monotonic()
     thread.join(120)
     assert embedded.get("vectors"), "the embeddings request was not answered"
-    assert chunks[-1].usage.completion_tokens == 160  # the stream was not cut by the swap
-    assert embedded["at"] > stream_ended  # the embedding engine woke only after the stream ended
+    # the stream was not cut: vLLM's sleep aborts what its engine still runs, so the fp8 engine, which slept for the
+    # embedding model (below), slept after the whole stream
+    assert chunks[-1].usage.completion_tokens == 160
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     during = _sleep_stats(features_app)
     assert during[QUANTIZED]["sleeps"] > before[QUANTIZED]["sleeps"]
     assert during[EMBED]["wakes"] > before[EMBED]["wakes"] or during[EMBED]["sleeps"] > before[EMBED]["sleeps"]
