@@ -11,7 +11,6 @@ from app.config.checks import engine_checks
 from app.config.env import expand_env
 from app.config.lora import LORA_ENGINE_KEYS, LoraOptions
 from app.config.options import DeploymentOptions, RoutingOptions, SleepOptions, Strict
-from app.config.sleep import sleep_problem
 
 # vLLM's own default batch size (`--max-num-seqs`), which Summit's deployment defaults are derived from. The engine
 # package imports it from here (the runtime imports the schema, never the other way).
@@ -184,12 +183,6 @@ class ModelConfig(Strict):
             raise ValueError(
                 f"model {self.name!r}: give exactly one of `source` (a path) or `source_env` (an env var name)"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _sleep_possible(self) -> ModelConfig:
-        if problem := sleep_problem(self):
-            raise ValueError(problem)
         return self
 
     @property

@@ -9,7 +9,7 @@ from app.config.batch import BatchOptions
 from app.config.model import ModelConfig
 from app.config.monitoring import MonitoringOptions
 from app.config.options import AuthOptions, IngressOptions, Strict
-from app.config.sleep import share_groups
+from app.config.sleep import share_groups, sleep_problem
 
 
 class SummitConfig(Strict):
@@ -58,10 +58,14 @@ class SummitConfig(Strict):
 
     @model_validator(mode="after")
     def _share_groups(self) -> SummitConfig:
-        """Tells each member of a share_with group its group (its replicas' GPU fraction and sleep mode follow)."""
+        """Tells each member of a share_with group its group (its replicas' GPU fraction and sleep mode follow), then
+        refuses sleep mode where it cannot work."""
         for root, members in share_groups(self.models).items():
             for m in members:
                 m._share = (root, len(members))
+        for m in self.models:
+            if problem := sleep_problem(m):
+                raise ValueError(problem)
         return self
 
     @property
