@@ -21,6 +21,7 @@ from app.build.options import (
     batch_runner_options,
     engine_pool_options,
     ingress_deployment_options,
+    keeping_responses,
     llm_deployment_options,
     pool_problem,
     prefill_deployment_options,
@@ -36,6 +37,7 @@ from app.config import SummitConfig
 from deployments.batch.api import BatchAPI
 from deployments.batch.runner import BatchRunner
 from deployments.hops.ingress import OpenAIIngress
+from deployments.http.response_ids import STORE_ENV, store_on
 from deployments.lora.runtime import AdapterRegistry
 from deployments.pipeline.auth import load_api_keys
 from deployments.pipeline.rate_limit import RateLimiter
@@ -96,9 +98,21 @@ def request_path(config: SummitConfig, haproxy: bool) -> tuple[str, str]:
     return "hops", problem
 
 
+def responses_stored() -> bool:
+    """Whether vLLM keeps responses in the replicas: STORE_ENV set in the application's runtime_env (the builder runs
+    in it) or in the cluster's environment, which the replicas share."""
+    return store_on(os.environ.get(STORE_ENV, "0"))
+
+
 def check_front_processes(config: SummitConfig, path: str, why: str) -> None:
-    """Front processes share a replica's HTTP port, which only the direct path sends requests to."""
+    """Front processes share a replica's HTTP port, which only the direct path sends requests to; each keeps its own
+    stored responses."""
     several = [m.name for m in config.models if m.front_processes > 1]
+    if several and responses_stored():
+        raise ValueError(
+            f"models[{several[0]!r}].front_processes > 1 with {STORE_ENV}=1: each front process would keep its own "
+            "responses and a retrieve could reach another. Fix: set front_processes: 1, or unset the variable"
+        )
     if several and path != "direct":
         raise ValueError(
             f"models[{several[0]!r}].front_processes > 1 serves the replica's own HTTP port, which only the direct "
@@ -178,7 +192,8 @@ def direct_app(config: SummitConfig, shared: Shared) -> Application:
     )
     only = config.models[0]
     if len(serving) == 1 and only.routing.policy == "least_load" and not only.lora and only.sleep is None:
-        return engines  # HAProxy's own choice (leastconn) is least-load: no routing call per request
+        if not responses_stored():  # else a continued response (previous_response_id) goes to its replica
+            return engines  # HAProxy's own choice (leastconn) is least-load: no routing call per request
     picker = serve.deployment(RoutePicker).options(**own_env(route_picker_options(config.ingress))).bind(engines)
     return engines._with_ingress_request_router(picker)
 
@@ -220,7 +235,10 @@ def own_env(options: dict[str, Any]) -> dict[str, Any]:
 def engine_deployment(server: ServerConfig) -> Application:
     """An engine deployment, bound with its one config and given the Serve options that config implies."""
     deployment = serve.ingress()(LLMServer) if server.role == "entry" else LLMServer
-    return serve.deployment(deployment).options(**own_env(server_options(server))).bind(server)
+    options = server_options(server)
+    if responses_stored():
+        options = keeping_responses(options, [m for m, _ in server.models])
+    return serve.deployment(deployment).options(**own_env(options)).bind(server)
 
 
 def engine_deployment_names(config: SummitConfig, path: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ from app.build.placement import (
 )
 from app.config import IngressOptions, ModelConfig
 from deployments.engine import NO_NVLINK_MULTICAST_ENV
-from deployments.routing.routers import pool_router_options, request_router_options
+from deployments.routing.router_options import pool_router_options, request_router_options
 from deployments.server.config import ServerConfig
 
 # Where Ray starts (every node: Serve reads these in its controller, HAProxy manager and replicas), for the direct path.
@@ -156,6 +156,15 @@ def server_options(server: ServerConfig) -> dict[str, Any]:
     if server.role == "prefill":  # not an HTTP entry: the decode side's replicas call it
         options["name"] += ":prefill"
     return options
+
+
+def keeping_responses(options: dict[str, Any], models: list[ModelConfig]) -> dict[str, Any]:
+    """Options of an engine deployment whose replicas keep responses (vLLM's store, VLLM_ENABLE_RESPONSES_API_STORE):
+    Summit's router, which sends a request about a stored response to the replica keeping it
+    (deployments/http/response_ids.py); Serve's default router cannot."""
+    if "request_router_config" in options:
+        return options
+    return {**options, **pool_router_options({m.name: routing_kwargs(m) for m in models})}
 
 
 # Options a model's own choice may set differently from another model's in one engine deployment (the deployment's

@@ -12,7 +12,7 @@ modules. Each module imports vLLM inside its functions, so importing the package
   detokenizer  vLLM's incremental detokenizer brought to a cut stream (stream migration)
   lora         loading and unloading LoRA adapters in a running engine
   platform     the `vllm.platform_plugins` entry point: vLLM's CPU platform on Ray's executor (test clusters)
-  serving      one request through vLLM's serving objects in this process, without HTTP (batch lines)
+  serving      one request through vLLM's serving objects in this process, without HTTP (batch lines); stored responses
 """
 
 # vLLM's default batch size: the schema holds it (the schema imports no engine)
@@ -49,7 +49,7 @@ from deployments.engine.metrics import (
     latency_buckets,
 )
 from deployments.engine.platform import CPU_RAY_PLATFORM_ENV, cpu_ray_platform
-from deployments.engine.serving import answer_in_process
+from deployments.engine.serving import answer_in_process, background_response, stores_responses
 from deployments.engine.state import (
     check_engine_health,
     engine_is_dead,
@@ -91,6 +91,7 @@ __all__ = [
     "kv_transfer_config",
     "adapters_in_engine",
     "answer_in_process",
+    "background_response",
     "load_adapter",
     "mark_engine_dead",
     "logger",
@@ -98,6 +99,7 @@ __all__ = [
     "output_detokenizer",
     "serve_namespace",
     "shutdown_engine",
+    "stores_responses",
     "sleep_engine",
     "start_engine_app",
     "start_engine_client",

@@ -62,3 +62,14 @@ async def answer_in_process(app: Any, url: str, body: dict) -> dict | None:
     if type(answer).__name__ not in _ANSWERS:
         return None
     return answer.model_dump()
+
+
+def stores_responses(app: Any) -> bool:
+    """Whether vLLM's Responses API in this process keeps responses (VLLM_ENABLE_RESPONSES_API_STORE=1)."""
+    return bool(getattr(getattr(app.state, "openai_serving_responses", None), "enable_store", False))
+
+
+def background_response(app: Any, response_id: str):
+    """The task running background response `response_id` in this process (None: none, or done)."""
+    serving = getattr(app.state, "openai_serving_responses", None)
+    return (getattr(serving, "background_tasks", None) or {}).get(response_id)

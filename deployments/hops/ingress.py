@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.config import AuthOptions
+from deployments.http import response_ids
 from deployments.http.asgi import read_body, send_json, send_plain
 from deployments.http.errors import OpenAIError
 from deployments.http.protocol import (
@@ -25,6 +26,7 @@ from deployments.http.protocol import (
     HOP_HEADERS,
     PATH_HEADER,
     REQUEST_ID_HEADER,
+    TARGET_HEADER,
     HTTPRequest,
     ResponseStart,
     without,
@@ -72,7 +74,8 @@ class OpenAIIngress:
         limits = Limits(limiter, auth.rate_limit.default_max_tokens) if limiter is not None else None
         self._authenticate = authenticate(keys)
         names = lambda: [*self._servers, *self._adapters, *self._runtime]  # noqa: E731
-        self._request_steps = [bounded_body(), resolve_model(names, self._names_again), rate_limit(limits)]
+        self._rate_limit = rate_limit(limits)
+        self._request_steps = [bounded_body(), resolve_model(names, self._names_again), self._rate_limit]
 
     def __serve_build_asgi_app__(self):
         return Entry(self._route)
@@ -93,20 +96,39 @@ class OpenAIIngress:
             await to_batch_api(ctx, self._batch_api and self._batch_api.options(stream=True).handle_http.remote)
         elif ctx.method == "POST" and ctx.path in POST_ROUTES:
             await self._generate(ctx)
+        elif (found := response_ids.ROUTE.match(ctx.path)) is not None:
+            await self._stored_response(ctx, found["id"])
         else:
             raise not_served(ctx)
 
-    async def _generate(self, ctx: RequestContext) -> None:
-        await run_steps(self._request_steps, ctx)
-        # Serve's proxy answers with the client's x-request-id (or its own); the replica's front gives the engine
-        # that id plus a unique suffix.
-        headers = without(ctx.headers, HOP_HEADERS | {b"content-type"}) + [
+    def _headers(self, ctx: RequestContext, keeper: response_ids.Owner | None) -> list[tuple[bytes, bytes]]:
+        """The request's headers as they go on. Serve's proxy answers with the client's x-request-id (or its own);
+        the replica's front gives the engine that id plus a unique suffix. `keeper`: the replica keeping the stored
+        response the request names (Summit's router sends it there)."""
+        return without(ctx.headers, HOP_HEADERS | {b"content-type"}) + [
             (b"content-type", b"application/json"),
             (REQUEST_ID_HEADER, ctx.client_request_id),
             (ARRIVAL_HEADER, f"{time.time():.6f}".encode()),
+            *([(TARGET_HEADER, keeper.replica.encode())] if keeper else []),
         ]
+
+    async def _generate(self, ctx: RequestContext) -> None:
+        await run_steps(self._request_steps, ctx)
+        keeper = response_ids.owner_of(ctx.payload.get("previous_response_id"))  # a response continued
         model = self._adapters.get(ctx.model) or self._runtime.get(ctx.model) or ctx.model
-        request = HTTPRequest("POST", ctx.path, ctx.body, ctx.query_string, headers, model=ctx.model)
+        request = HTTPRequest("POST", ctx.path, ctx.body, ctx.query_string, self._headers(ctx, keeper), model=ctx.model)
+        await relay(self._servers[model].options(stream=True).handle_http.remote(request), model, ctx.receive, ctx.send)
+
+    async def _stored_response(self, ctx: RequestContext, response_id: str) -> None:
+        """Retrieve or cancel a stored response: to the model whose replica made it (its id names both), or the one
+        model; its replica's front answers (and checks the method)."""
+        await run_steps([self._rate_limit], ctx)
+        keeper = response_ids.owner_of(response_id)
+        only = next(iter(self._servers)) if len(self._servers) == 1 else None  # an id a client set: the one model's
+        model = keeper.model(self._servers) if keeper else only
+        if model is None:
+            raise OpenAIError(404, f"Response with id {response_id!r} not found.", param="response_id")
+        request = HTTPRequest(ctx.method, ctx.path, b"", ctx.query_string, self._headers(ctx, keeper), model=model)
         await relay(self._servers[model].options(stream=True).handle_http.remote(request), model, ctx.receive, ctx.send)
 
     async def _names_again(self) -> list[str]:

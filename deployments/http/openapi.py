@@ -3,7 +3,7 @@
 The OpenAI routes are vLLM's own (their request schemas come from vLLM's app, so they describe exactly the bodies
 vLLM validates); Summit adds its own routes (`/v1/files`, `/v1/batches`, `/health`) and the answers its front gives
 (401 without a key, 429/503 when overloaded, every error in OpenAI's shape). Nothing here is served that vLLM's app
-exposes but Summit does not route (vLLM's `/metrics`, `/load`, `/v1/responses`, ...).
+exposes but Summit does not route (vLLM's `/metrics`, `/load`, ...).
 """
 
 from __future__ import annotations
@@ -241,6 +241,10 @@ def _refs(node: Any) -> Iterable[str]:
             yield from _refs(value)
 
 
+# vLLM's operations on a stored response (VLLM_ENABLE_RESPONSES_API_STORE; deployments/http/response_ids.py)
+_STORED_RESPONSE_OPS = (("/v1/responses/{response_id}", "get"), ("/v1/responses/{response_id}/cancel", "post"))
+
+
 def build(
     vllm_doc: dict, routes: Iterable[str], batch: bool, keys: bool, title: str = "Summit", runtime_lora: bool = False
 ) -> dict:
@@ -255,6 +259,11 @@ def build(
         ok = op["responses"].get("200") or {"description": "OK"}
         op["responses"] = {"200": ok, **_errors(*_OVERLOAD)}
         paths[route] = {"post": op}
+    for route, method in _STORED_RESPONSE_OPS:  # retrieve and cancel (answered where vLLM keeps responses)
+        op = copy.deepcopy(vllm_doc["paths"].get(route, {}).get(method))
+        if op is not None:
+            op["responses"] = {"200": op["responses"].get("200") or {"description": "OK"}, **_errors(400, 401, 404)}
+            paths.setdefault(route, {})[method] = op
     models = copy.deepcopy(vllm_doc["paths"].get("/v1/models", {}).get("get") or {"responses": _OK})
     models["responses"] = {**models["responses"], **_errors(401)}
     paths["/v1/models"] = {"get": models}

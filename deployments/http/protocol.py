@@ -10,6 +10,9 @@ REQUEST_ID_HEADER = b"x-request-id"
 # A replica a request must not go to (a resumed stream's continuation names the replica whose engine died); Summit's
 # routers skip it.
 AVOID_HEADER = b"x-summit-avoid-replica"
+# The replica a request must go to (the one keeping the stored response it names: http/response_ids.py); Summit's
+# routers send it there while that replica lives.
+TARGET_HEADER = b"x-summit-target-replica"
 # Who owns a file or batch (a hash of the caller's API key), as the HTTP entry tells the BatchAPI; a client's own is
 # dropped.
 OWNER_HEADER = b"x-summit-owner"
@@ -40,6 +43,7 @@ HOP_HEADERS = frozenset(
         FORWARDED_HEADER,
         OWNER_HEADER,
         ARRIVAL_HEADER,
+        TARGET_HEADER,
     }
 )
 

@@ -115,5 +115,5 @@ def not_served(ctx: RequestContext) -> OpenAIError:
     return OpenAIError(
         status,
         f"{ctx.method} {ctx.path} is not served; OpenAI routes: GET /v1/models, /v1/files, "
-        f"/v1/batches, POST {', '.join(sorted(POST_ROUTES))}",
+        f"/v1/batches, /v1/responses/{{id}}, POST {', '.join(sorted(POST_ROUTES))}, /v1/responses/{{id}}/cancel",
     )

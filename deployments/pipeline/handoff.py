@@ -9,7 +9,14 @@ from typing import Any
 
 from deployments.http.asgi import read_body
 from deployments.http.errors import OpenAIError
-from deployments.http.protocol import ARRIVAL_HEADER, FORWARDED_HEADER, OWNER_HEADER, HTTPRequest, without
+from deployments.http.protocol import (
+    ARRIVAL_HEADER,
+    FORWARDED_HEADER,
+    OWNER_HEADER,
+    TARGET_HEADER,
+    HTTPRequest,
+    without,
+)
 from deployments.http.relay import relay
 from deployments.pipeline.context import RequestContext
 
@@ -37,7 +44,7 @@ async def to_batch_api(ctx: RequestContext, batch_api: Call | None) -> None:
 
 def passed_on(ctx: RequestContext, model: str, extra: list[tuple[bytes, bytes]] = ()) -> HTTPRequest:
     """The request as it goes on to `model`'s replica: without the API key, with when it arrived (first hop's)."""
-    headers = without(ctx.headers, (b"authorization", ARRIVAL_HEADER))
+    headers = without(ctx.headers, (b"authorization", ARRIVAL_HEADER, TARGET_HEADER))
     headers += [*extra, (ARRIVAL_HEADER, f"{time.time():.6f}".encode())]
     return HTTPRequest(ctx.method, ctx.path, ctx.body or b"", ctx.query_string, headers, model=model)
 

@@ -44,9 +44,9 @@ def token_charge(path: str, payload: Any, default_max_tokens: int) -> int:
         given = payload.get("prompt", payload.get("input", payload.get("messages", "")))
         for part in given if isinstance(given, list) and given and not isinstance(given[0], int) else [given]:
             prompt += len(part) if isinstance(part, list) else _estimate(part if isinstance(part, str) else "")
-    if path not in ("/v1/completions", "/v1/chat/completions"):
+    if path not in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         return prompt
-    bound = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    bound = payload.get("max_completion_tokens", payload.get("max_tokens", payload.get("max_output_tokens")))
     if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
         bound = default_max_tokens
     return prompt + bound * (payload.get("n") if isinstance(payload.get("n"), int) and payload["n"] > 0 else 1)

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.http.protocol import HTTPRequest
+from deployments.http.protocol import TARGET_HEADER, HTTPRequest
+from deployments.http.response_ids import owner_of
 from deployments.observability import metrics
 from deployments.observability.tracing import DECISION_HEADER, decision_value
 from deployments.routing.choose import chosen_replica
@@ -38,14 +39,17 @@ _ROUTING_HEADERS = {"x-session-id", "x-request-id"}
 picker_api = FastAPI(docs_url=None, redoc_url=None)
 
 
-def body_model(body: bytes) -> str | None:
-    """The `model` a JSON body names, if any (the body may be cut at HAProxy's buffer size: then None)."""
+def body_fields(body: bytes) -> tuple[str | None, str | None]:
+    """The `model` a JSON body names and the replica keeping the response it continues (`previous_response_id`, a
+    Summit id), each if any (the body may be cut at HAProxy's buffer size: then neither)."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):  # cut, or nested too deeply: the replica's front answers it
-        return None
-    name = payload.get("model") if isinstance(payload, dict) else None
-    return name if isinstance(name, str) else None
+        return None, None
+    if not isinstance(payload, dict):
+        return None, None
+    name, owner = payload.get("model"), owner_of(payload.get("previous_response_id"))
+    return (name if isinstance(name, str) else None), (owner.replica if owner else None)
 
 
 @serve.ingress(picker_api)
@@ -57,7 +61,10 @@ class RoutePicker:
     async def route(self, request: Request) -> Response:
         body = await request.body()
         headers = [(k.encode(), v.encode()) for k, v in request.headers.items() if k in _ROUTING_HEADERS]
-        wanted = HTTPRequest("POST", "", body, b"", headers, model=body_model(body))
+        model, keeper = body_fields(body)
+        wanted = HTTPRequest("POST", "", body, b"", headers, model=model)
+        if keeper is not None:  # a response continued: to the replica keeping the previous one
+            wanted.set_header(TARGET_HEADER, keeper.encode())
         session = request.headers.get("x-session-id")
         handle = self._engines.options(session_id=session) if session else self._engines
         try:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.http.protocol import AVOID_HEADER, HTTPRequest
+from deployments.http.protocol import AVOID_HEADER, TARGET_HEADER, HTTPRequest
 from deployments.observability import metrics
 from deployments.observability.tracing import DECISION_HEADER, decision_value
 from deployments.routing import policies as routing
@@ -176,6 +176,8 @@ class _SummitRouter(RequestRouter):
             # Without this Serve's retry loop re-asks at once, spinning while every choice is full.
             pending_request.routing_context.should_backoff = True
         request = _http_request(pending_request)
+        if pinned := _pinned(request, candidate_replicas):
+            return [pinned]
         model = request.model if request else None
         serving = same_model(candidate_replicas, model)
         if not serving:
@@ -279,6 +281,16 @@ def _http_request(pending_request: PendingRequest | None) -> HTTPRequest | None:
     return next((a for a in pending_request.args if isinstance(a, HTTPRequest)), None)
 
 
+def _pinned(request: HTTPRequest | None, replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """The replica a request must go to while it lives: the one keeping the stored response it names
+    (deployments/http/response_ids.py)."""
+    target = request.header(TARGET_HEADER) if request else None
+    pinned = [r for r in replicas if target and r.replica_id.unique_id == target.decode()]
+    if pinned:
+        metrics.routing_decision(request.model, "stored_response", "hit")
+    return pinned
+
+
 def _base_model(adapter: str, replicas: list[RunningReplica]) -> str | None:
     """The model whose replicas serve LoRA adapter `adapter`."""
     serving = (r for r in replicas if adapter in r.routing_stats.get("adapters", ()))
@@ -337,63 +349,3 @@ class ModelPolicyRouter(_SummitRouter):
             options = dict(options)
             self._policies[model] = _POLICIES[options.pop("policy")](**options)
         logger.info("ModelPolicyRouter for %s: %s", self._deployment_id, policies)
-
-
-_ROUTERS: dict[str, tuple[type[_OnePolicyRouter], set[str]]] = {
-    "least_load": (_OnePolicyRouter, {"max_tracked"}),  # Serve's own router on a one-model deployment
-    "prefix_affinity": (PrefixAffinityRouter, {"prefix_chars", "imbalance", "max_tracked"}),
-    "session_affinity": (SessionAffinityRouter, {"max_tracked"}),
-    "kv_cache": (KVCacheRouter, {"imbalance", "max_tracked", "tokenizer", "chat_template", "cpu_block_credit"}),
-}
-_ALL_KWARGS = set().union(*(accepted for _, accepted in _ROUTERS.values()))
-
-
-# How often a replica's routing stats (the model it serves) reach the routers, where a deployment hosts several models.
-MODEL_STATS_PERIOD_S = 1.0
-
-
-def _policy_kwargs(policy: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(kwargs) - _ALL_KWARGS
-    if unknown:
-        raise ValueError(
-            f"unknown routing option(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(_ALL_KWARGS))}"
-        )
-    if policy not in _ROUTERS:
-        raise ValueError(f"unknown routing policy {policy!r}; known: {', '.join(_ROUTERS)}")
-    return {k: v for k, v in kwargs.items() if k in _ROUTERS[policy][1]}
-
-
-def request_router_options(policy: str, **kwargs: Any) -> dict[str, Any]:
-    """Deployment options selecting `policy`'s router for a deployment of one model:
-    `{"request_router_config": {"request_router_class": "<module>.<Class>", "request_router_kwargs": {...}}}`, or `{}`
-    for least_load (Serve's default router).
-
-    Kwargs meant for another policy are dropped (a RoutingOptions model carries them all); unknown ones fail.
-    """
-    accepted = _policy_kwargs(policy, kwargs)
-    if policy == "least_load":
-        return {}
-    router = _ROUTERS[policy][0]
-    return {
-        "request_router_config": {
-            "request_router_class": f"{router.__module__}.{router.__qualname__}",
-            "request_router_kwargs": accepted,
-        }
-    }
-
-
-def pool_router_options(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Deployment options of a deployment hosting several models: `ModelPolicyRouter` with each model's policy and
-    kwargs (`{model: {"policy": ..., **kwargs}}`), and the replicas' model reported every second."""
-    per_model = {}
-    for model, options in policies.items():
-        options = dict(options)
-        policy = options.pop("policy", "least_load")
-        per_model[model] = {"policy": policy, **_policy_kwargs(policy, options)}
-    return {
-        "request_router_config": {
-            "request_router_class": f"{ModelPolicyRouter.__module__}.{ModelPolicyRouter.__qualname__}",
-            "request_router_kwargs": {"policies": per_model},
-            "request_routing_stats_period_s": MODEL_STATS_PERIOD_S,
-        }
-    }

@@ -12,6 +12,7 @@ Refusals are answered in one place (pipeline/context.answer).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,10 +22,18 @@ from functools import cached_property
 from typing import Any
 
 from deployments.batch.share import BatchShare
+from deployments.http import response_ids
 from deployments.http.asgi import post_paths, read_body, send_json, send_plain
 from deployments.http.errors import OpenAIError
 from deployments.http.openapi import build as build_openapi
-from deployments.http.protocol import BATCH_LINE_SCOPE_KEY, BATCH_PREFIXES, REPLICA_HEADER
+from deployments.http.protocol import (
+    BATCH_LINE_SCOPE_KEY,
+    BATCH_PREFIXES,
+    FORWARDED_HEADER,
+    REPLICA_HEADER,
+    TARGET_HEADER,
+)
+from deployments.http.relay import relay
 from deployments.lora.adapters import AdapterLoadError
 from deployments.lora.runtime import MAX_BODY_BYTES, RUNTIME_LORA_ROUTES, RuntimeAdapters
 from deployments.observability.metrics import ReplicaMetrics
@@ -41,7 +50,7 @@ from deployments.pipeline.entry import (
     resolve_model,
     route_not_served,
 )
-from deployments.pipeline.handoff import Call, to_batch_api, to_model_replica
+from deployments.pipeline.handoff import Call, passed_on, to_batch_api, to_model_replica
 from deployments.pipeline.migration import resumable_stream
 from deployments.pipeline.prefill import Disaggregated, prefill_first
 from deployments.pipeline.rate_limit import Limits
@@ -60,6 +69,8 @@ class EngineSide:
     dead: Callable[[], bool]
     replica_id: str
     detokenizer: Callable | None = None  # vLLM's, for a resumed stream's text (pipeline/migration.Resumable)
+    stores_responses: Callable[[], bool] = lambda: False  # vLLM keeps responses here (VLLM_ENABLE_RESPONSES_API_STORE)
+    background: Callable[[str], Any] = lambda response_id: None  # the task running a background response, if any
 
     @cached_property
     def routes(self) -> frozenset[str] | None:
@@ -86,6 +97,7 @@ class FrontOptions:
     tracing: Tracing | None = None  # traces (monitoring.tracing)
     batch_share: BatchShare | None = None  # told of online requests: batch lines make room for them
     sleeper: Sleeper | None = None  # the engine's sleep mode (deployment.sleep, share_with): a request wakes it
+    to_keeper: Call | None = None  # a request about a stored response -> the replica keeping it (this deployment's)
 
 
 # The routes a request's metrics and trace are kept for: the model's work (not the tokenizer's)
@@ -102,7 +114,8 @@ class ReplicaFront(Entry):
         self._openapi: dict | None = None
         o = self.options
         self._authenticate = authenticate(o.keys)
-        self._request_steps = [bounded_body(), resolve_model(table.names), rate_limit(o.limits)]
+        self._rate_limit = rate_limit(o.limits)
+        self._request_steps = [bounded_body(), resolve_model(table.names), self._rate_limit]
         self._replica_steps = [
             self._engine_alive,
             self._measured,
@@ -129,6 +142,8 @@ class ReplicaFront(Entry):
             await to_batch_api(ctx, self.options.batch_api)
         elif ctx.method == "POST" and ctx.path in POST_ROUTES:
             await self._generate(ctx)
+        elif (found := response_ids.ROUTE.match(ctx.path)) is not None:
+            await self._stored_response(ctx, found["id"], "POST" if found["cancel"] else "GET")
         else:
             raise not_served(ctx)
 
@@ -137,6 +152,12 @@ class ReplicaFront(Entry):
         if not self.table.serves(ctx.model):  # a body cut at HAProxy's buffer, or a stale route
             await to_model_replica(ctx, ctx.model, self.options.forward, self.table.model)
             return
+        stored = ctx.path == response_ids.CREATE and self.engine.stores_responses()
+        if stored:
+            keeper = response_ids.owner_of(ctx.payload.get("previous_response_id"))
+            if keeper is not None and keeper.replica != self.engine.replica_id:  # the conversation is kept there
+                await self._to_keeper(ctx, keeper, ctx.payload["previous_response_id"])
+                return
         routes = self.engine.routes
         if (
             routes is not None and ctx.path not in routes
@@ -151,7 +172,14 @@ class ReplicaFront(Entry):
         except OpenAIError as e:  # this replica's refusal (its engine, admission, the prefill pool's answer) names it
             e.headers.setdefault(REPLICA_HEADER.decode(), self.engine.replica_id)
             raise
+        response_id = self._name_response(ctx) if stored else None
         await EngineCall(self, ctx).run()
+        if response_id is not None and ctx.payload.get("background"):
+            # answered at once ("queued"); the engine works on in vLLM's task: the request holds its place (admission,
+            # an awake engine, Serve's count of ongoing requests) until that ends (done or cancelled)
+            task = self.engine.background(response_id)
+            if task is not None:
+                await asyncio.wait({task})
 
     # the replica's steps
 
@@ -205,6 +233,49 @@ class ReplicaFront(Entry):
             logger.error("%s", e)
             return OpenAIError(500, str(e))
         return None
+
+    # stored responses (vLLM's store; deployments/http/response_ids.py)
+
+    def _name_response(self, ctx: RequestContext) -> str:
+        """The new response's id, naming this replica (vLLM's `request_id`), unless the client set one."""
+        given = ctx.payload.get("request_id")
+        if isinstance(given, str) and given:
+            return given
+        ctx.payload["request_id"] = response_ids.new_id(self.table.model, self.engine.replica_id)
+        ctx.body = json.dumps(ctx.payload).encode()
+        return ctx.payload["request_id"]
+
+    async def _stored_response(self, ctx: RequestContext, response_id: str, method: str) -> None:
+        """GET /v1/responses/{id} (retrieve) and POST /v1/responses/{id}/cancel: vLLM answers in the replica that keeps
+        the response; a request that reached another replica goes on to it."""
+        if ctx.method != method:
+            raise OpenAIError(405, f"{ctx.method} {ctx.path} is not served; use {method}")
+        await run_steps([self._rate_limit], ctx)  # the caller's rate limit (a request, no tokens)
+        keeper = response_ids.owner_of(response_id)
+        if keeper is not None and keeper.replica != self.engine.replica_id:
+            await self._to_keeper(ctx, keeper, response_id)
+            return
+        if not self.engine.stores_responses():
+            raise OpenAIError(
+                404,
+                f"Response with id {response_id!r} not found: responses are not stored (set "
+                f"{response_ids.STORE_ENV}: '1' in the application's runtime_env.env_vars)",
+                param="response_id",
+            )
+        scope = {**ctx.scope, "headers": [(k, v) for k, v in ctx.headers if k != b"authorization"]}
+        await self.engine.app(scope, ctx.receive, ctx.send)
+
+    async def _to_keeper(self, ctx: RequestContext, keeper: response_ids.Owner, response_id: str) -> None:
+        model = keeper.model(self.table.names())
+        if model is None or self.options.to_keeper is None or ctx.header(FORWARDED_HEADER):
+            raise OpenAIError(
+                404,
+                f"Response with id {response_id!r} not found: the replica that kept it ({keeper.replica}) no longer "
+                "runs (stored responses live in their replica's memory)",
+                param="response_id",
+            )
+        extra = [(FORWARDED_HEADER, b"1"), (TARGET_HEADER, keeper.replica.encode())]
+        await relay(self.options.to_keeper(passed_on(ctx, model, extra)), model, ctx.receive, ctx.send)
 
     # other routes
 

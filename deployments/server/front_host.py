@@ -71,6 +71,8 @@ class FrontHost:
                 lambda: engine.engine_is_dead(engine_app.engine),
                 replica_id,
                 lambda *point: engine.output_detokenizer(engine_app.engine, *point),
+                lambda: engine.stores_responses(engine_app.app),
+                lambda response_id: engine.background_response(engine_app.app, response_id),
             ),
             table,
             options,
@@ -116,6 +118,7 @@ class FrontHost:
             tracing=self._tracing if self._tracing.enabled else None,
             batch_share=BatchShare(),
             sleeper=self._sleeper,
+            to_keeper=self._forward,
         )
         if c.batch_api is not None:
             options.batch_api = lambda request, h=c.batch_api.options(stream=True): h.handle_http.remote(request)

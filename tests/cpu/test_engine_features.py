@@ -2,7 +2,8 @@
 (each an OpenAI model, loaded on first use, routed to a replica that has it loaded), structured output, tool calls
 (Llama 3.1's JSON format: the shipped chat template and vLLM's llama3_json parser), quantization, the model families
 `summit make-tiny-model --arch` writes (Mistral, Qwen2, Mixtral's mixture of experts), and routing on what each
-engine caches (`routing.policy: kv_cache`, beside several models and LoRA adapters).
+engine caches (`routing.policy: kv_cache`, beside several models and LoRA adapters), the pooling models' routes, models
+sharing a GPU by turns, and the Responses API's stored responses across replicas.
 
 One app for all of them, to keep CI's cost to one deploy: on the direct path, 2 replicas of the tiny Llama with two
 tiny adapters and one replica of each other family. API keys are on, as adapters loaded at run time (vLLM's
@@ -22,6 +23,7 @@ import openai
 import pytest
 
 from app.clusters.tiny_model import make_tiny_lora, make_tiny_model
+from deployments.http.response_ids import STORE_ENV, new_id
 from deployments.routing.kv_policy import KV_CLAIM_S
 from tests.cpu.engine_apps import APP, deployed, document, running_replicas, serve_log_matches, tiny_model, wait_for
 from tests.replica_probe import probe
@@ -96,7 +98,8 @@ def features_app(tiny_model_dir, tmp_path_factory):
     )
     # Tool calls through vLLM's JSON-schema path (honours disable_any_whitespace). vLLM 0.32's default, xgrammar's
     # Llama structural tag, lets whitespace between keys, and a random model writes newlines until max_tokens.
-    env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": API_KEY}
+    # vLLM keeps responses (retrieve, cancel, background, previous_response_id)
+    env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": API_KEY, STORE_ENV: "1"}
     with deployed(
         [model, *families, quantized, embed, classify],
         tiny_model_dir,
@@ -270,6 +273,45 @@ def test_the_responses_api_answers_through_the_official_client(client):
     assert response.model == MODEL and response.output_text, response
     # the random model may end early; else it stops at the bound
     assert response.status == "completed" or response.incomplete_details.reason == "max_output_tokens", response
+
+
+def test_stored_responses_are_retrieved_continued_and_cancelled_where_they_are_kept(client):
+    """With vLLM's store on (VLLM_ENABLE_RESPONSES_API_STORE=1), a response lives in the memory of the replica that
+    made it. Retrieves land on any of the app's replicas (HAProxy sends GETs by its own least-connections choice),
+    continued responses go through the route picker: each reaches the replica keeping the response, for responses kept
+    by each of the model's two replicas."""
+    kept = {}  # replica -> a response it made
+    for i in range(16):
+        raw = client.responses.with_raw_response.create(
+            model=MODEL, input=f"{i} {document(i, 8)}", max_output_tokens=8, temperature=0
+        )
+        kept.setdefault(raw.headers["x-summit-replica"], raw.parse())
+        if len(kept) == 2:
+            break
+    assert len(kept) == 2, kept
+    for replica, first in kept.items():
+        for _ in range(4):
+            got = client.responses.retrieve(first.id)
+            assert (got.id, got.output_text, got.status) == (first.id, first.output_text, first.status)
+        raw = client.responses.with_raw_response.create(
+            model=MODEL, input="And then?", previous_response_id=first.id, max_output_tokens=8, temperature=0
+        )
+        assert raw.headers["x-summit-replica"] == replica and raw.parse().output_text
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(new_id(MODEL, "gone1234"))
+    assert "gone1234" in e.value.message
+
+
+def test_a_background_response_completes_or_is_cancelled(client):
+    quick = client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, background=True)
+    assert quick.status in ("queued", "in_progress")
+    assert wait_for(lambda: client.responses.retrieve(quick.id).status in ("completed", "incomplete"), 120, 0.5)
+    assert client.responses.retrieve(quick.id).output_text
+    long = client.responses.create(model=MODEL, input="Write on.", max_output_tokens=1500, background=True)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):  # vLLM's: only a queued or running response can be cancelled
+        client.responses.cancel(quick.id)
 
 
 def test_an_unknown_adapter_is_a_404(client):

@@ -43,14 +43,17 @@ def test_openapi_document_has_vllms_request_schemas_and_summits_routes(summit):
         "/v1/batches",
         "/v1/batches/{batch_id}/cancel",
         "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
         "/health",
     } <= set(paths)
     assert not {"/metrics", "/load", "/invocations"} & set(paths)  # vLLM's, not routed by Summit
     assert not {"/v1/embeddings", "/pooling", "/score"} & set(paths)  # a generative model's app has no pooling routes
     assert "429" in paths["/v1/completions"]["post"]["responses"]
+    assert "get" in paths["/v1/responses/{response_id}"] and "post" in paths["/v1/responses/{response_id}/cancel"]
     import schemathesis
 
-    assert len([op for op in schemathesis.openapi.from_dict(doc).get_all_operations()]) >= 14
+    assert len([op for op in schemathesis.openapi.from_dict(doc).get_all_operations()]) >= 16
 
 
 def test_problem_detects_what_it_must():

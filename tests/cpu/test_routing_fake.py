@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from deployments.http.protocol import HTTPRequest
-from deployments.routing.routers import request_router_options
+from deployments.routing.router_options import request_router_options
 from tests.local_cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]

@@ -63,6 +63,9 @@ def test_what_a_request_is_charged():
     assert token_charge("/v1/chat/completions", chat, 1024) == 8
     assert token_charge("/v1/chat/completions", {"messages": [], "max_tokens": "x"}, 7) == 7
     assert token_charge("/tokenize", {"prompt": "abcdefgh", "max_tokens": 99}, 1024) == 2
+    assert token_charge("/v1/responses", {"input": "abcdefgh", "max_output_tokens": 30}, 1024) == 32
+    assert token_charge("/v1/responses", {"input": "abcd"}, 64) == 65
+    assert token_charge("/v1/responses/resp_x", None, 1024) == 0  # retrieve, cancel: a request, no tokens
     assert token_charge("/v1/completions", ["not", "a", "dict"], 1024) == 0
 
 

@@ -7,7 +7,7 @@ import pytest
 from app.build.builder import check_front_processes, request_path
 from app.build.options import FRONT_BOUNDS_ONGOING, engine_pool_options, pool_problem
 from app.config import SummitConfig
-from deployments.routing.picker import body_model
+from deployments.routing.picker import body_fields
 from deployments.server.pool import pool_model_index
 
 
@@ -76,9 +76,9 @@ def test_models_of_different_shapes_fall_back_to_hops_saying_why(b, named):
 
 
 def test_route_picker_reads_the_model_of_a_whole_body_only():
-    assert body_model(b'{"model": "a", "prompt": "x"}') == "a"
-    assert body_model(b'{"model": "a", "prompt": "x') is None  # cut at HAProxy's buffer: no guess
-    assert body_model(b"[1]") is None and body_model(b'{"model": 3}') is None
+    assert body_fields(b'{"model": "a", "prompt": "x"}') == ("a", None)
+    assert body_fields(b'{"model": "a", "prompt": "x') == (None, None)  # cut at HAProxy's buffer: no guess
+    assert body_fields(b"[1]") == (None, None) and body_fields(b'{"model": 3}') == (None, None)
 
 
 def test_a_bounded_queue_on_the_direct_path_is_the_fronts():

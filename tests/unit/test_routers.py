@@ -18,11 +18,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from deployments.http.protocol import HTTPRequest
+from deployments.routing.router_options import request_router_options
 from deployments.routing.routers import (
     ModelPolicyRouter,
     PrefixAffinityRouter,
     SessionAffinityRouter,
-    request_router_options,
 )
 
 DEPLOYMENT = DeploymentID(name="LLMServer:fake", app_name="summit")
@@ -173,7 +173,7 @@ def test_a_replica_slow_to_answer_the_probe_counts_by_its_load_not_as_full():
 
 
 def test_several_models_in_one_deployment_get_the_model_policy_router_and_model_stats():
-    from deployments.routing.routers import MODEL_STATS_PERIOD_S, pool_router_options
+    from deployments.routing.router_options import MODEL_STATS_PERIOD_S, pool_router_options
 
     options = pool_router_options(
         {"a": {"policy": "least_load", "prefix_chars": 8}, "b": {"policy": "prefix_affinity", "prefix_chars": 8}}
