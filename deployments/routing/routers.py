@@ -179,19 +179,9 @@ class _SummitRouter(RequestRouter):
         if pinned := _pinned(request, candidate_replicas):
             return [pinned]
         model = request.model if request else None
-        serving = same_model(candidate_replicas, model)
-        if not serving:
-            if not self._serves_no_such_model(model, candidate_replicas):
-                return []  # the model's replicas have not reported yet: Serve asks again after a backoff
-            # a name no model of this deployment has: any replica's front answers the 404 (waiting for its replicas
-            # took the direct path's route picker its 3 s, and HAProxy's 5 s ran out on a loaded box: a plain 503)
-            serving = candidate_replicas
-        candidate_replicas = serving
-        avoid = request.header(AVOID_HEADER) if request else None  # a resumed stream's dead replica
-        if avoid and len(candidate_replicas) > 1:
-            candidate_replicas = [
-                r for r in candidate_replicas if r.replica_id.unique_id != avoid.decode()
-            ] or candidate_replicas
+        candidate_replicas = self._serving(request, model, candidate_replicas)
+        if not candidate_replicas:
+            return []  # the model's replicas have not reported yet: Serve asks again after a backoff
         policy = self._policy(model)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = await self._loads(candidate_replicas, ASLEEP_LOAD if request is not None else 0)  # probes: by load
@@ -229,6 +219,21 @@ class _SummitRouter(RequestRouter):
         if key is not None and policy.strict:
             return [[by_id[chosen]]]
         return [[by_id[chosen]], [r for rid, r in by_id.items() if rid != chosen]]
+
+    def _serving(
+        self, request: HTTPRequest | None, model: str | None, replicas: list[RunningReplica]
+    ) -> list[RunningReplica]:
+        """The replicas that may take the request: its model's (none: they have not reported yet), but not the one
+        a resumed stream's engine died on."""
+        serving = same_model(replicas, model)
+        if not serving and self._serves_no_such_model(model, replicas):
+            # a name no model of this deployment has: any replica's front answers the 404 (waiting for its replicas
+            # took the direct path's route picker its 3 s, and HAProxy's 5 s ran out on a loaded box: a plain 503)
+            serving = replicas
+        avoid = request.header(AVOID_HEADER) if request else None  # a resumed stream's dead replica
+        if avoid and len(serving) > 1:
+            serving = [r for r in serving if r.replica_id.unique_id != avoid.decode()] or serving
+        return serving
 
     async def _loads(self, replicas: list[RunningReplica], asleep_load: int = 0) -> dict[str, int]:
         """Ongoing requests per replica from Serve's queue-length cache; stale entries are probed the way

@@ -154,9 +154,17 @@ class ReplicaFront(Entry):
             return
         stored = ctx.path == response_ids.CREATE and self.engine.stores_responses()
         if stored:
-            keeper = response_ids.owner_of(ctx.payload.get("previous_response_id"))
+            previous = ctx.payload.get("previous_response_id")
+            keeper = response_ids.owner_of(previous)
+            if keeper is not None and keeper.model(self.table.names()) not in (None, self.table.model):
+                raise OpenAIError(
+                    400,
+                    f"previous_response_id {previous!r} is a response of model {keeper.model(self.table.names())!r}; "
+                    "continue it with that model",
+                    param="previous_response_id",
+                )
             if keeper is not None and keeper.replica != self.engine.replica_id:  # the conversation is kept there
-                await self._to_keeper(ctx, keeper, ctx.payload["previous_response_id"])
+                await self._to_keeper(ctx, keeper, previous)
                 return
         routes = self.engine.routes
         if (

@@ -96,21 +96,24 @@ def test_a_new_response_is_named_for_its_replica_and_retrieved_there():
 
 def test_a_request_about_another_replicas_response_goes_on_to_it_once():
     front, store, sent = store_front("r1")
-    theirs = response_ids.new_id("b", "r2")
-    for method, path, body in [
-        ("GET", f"/v1/responses/{theirs}", None),
-        ("POST", f"/v1/responses/{theirs}/cancel", None),
-        ("POST", "/v1/responses", {"model": "a", "input": "more", "previous_response_id": theirs}),
+    theirs, same_model = response_ids.new_id("b", "r2"), response_ids.new_id("a", "r2")
+    for method, path, body, model in [
+        ("GET", f"/v1/responses/{theirs}", None, "b"),  # another model's replica
+        ("POST", f"/v1/responses/{theirs}/cancel", None, "b"),
+        ("POST", "/v1/responses", {"model": "a", "input": "more", "previous_response_id": same_model}, "a"),
     ]:
         r = asyncio.run(call(front, method, path, body))
         assert r.status_code == 200 and r.json() == {"from": "keeper"}
         request = sent[-1]
-        assert (request.method, request.path, request.model) == (method, path, "b")
+        assert (request.method, request.path, request.model) == (method, path, model)
         assert request.header(TARGET_HEADER) == b"r2" and request.header(b"x-summit-forwarded") == b"1"
-    assert store.paths == [] and json.loads(sent[-1].body)["previous_response_id"] == theirs
+    assert store.paths == [] and json.loads(sent[-1].body)["previous_response_id"] == same_model
     # passed on once: a replica that still is not the keeper says it is gone
     r = asyncio.run(call(front, "GET", f"/v1/responses/{theirs}", headers={"x-summit-forwarded": "1"}))
     assert r.status_code == 404 and "r2" in r.json()["error"]["message"] and len(sent) == 3
+    other_models = {"model": "a", "input": "x", "previous_response_id": response_ids.new_id("b", "r1")}
+    r = asyncio.run(call(front, "POST", "/v1/responses", other_models))  # b's response continued by model a
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id" and len(sent) == 3
     gone = response_ids.new_id("not-in-this-app", "r3")
     assert asyncio.run(call(front, "GET", f"/v1/responses/{gone}")).status_code == 404 and len(sent) == 3
 
