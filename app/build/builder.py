@@ -236,7 +236,7 @@ def engine_deployment(server: ServerConfig) -> Application:
     """An engine deployment, bound with its one config and given the Serve options that config implies."""
     deployment = serve.ingress()(LLMServer) if server.role == "entry" else LLMServer
     options = server_options(server)
-    if responses_stored():
+    if responses_stored() and server.role != "prefill":  # a prefill pool never answers a client
         options = keeping_responses(options, [m for m, _ in server.models])
     return serve.deployment(deployment).options(**own_env(options)).bind(server)
 

@@ -30,6 +30,7 @@ import httpx
 import openai
 import pytest
 
+from deployments.http.response_ids import STORE_ENV, owner_of
 from deployments.observability.watch import PD_PHASES, pd_phase_lines
 from tests.cpu import engine_apps
 from tests.cpu.engine_apps import APP, app_config, deployed, deployment_details, tiny_model, wait_for
@@ -468,7 +469,9 @@ def test_models_of_different_shapes_fall_back_to_two_hops(pd_app, tmp_path):
         "fallback": "error",
     }
     models = [tiny_model("tiny-a"), tiny_model("tiny-c", deployment={"num_cpus": 0.25}, disaggregation=pd)]
-    cluster.serve_deploy(app_config(models, batch=True))
+    config = app_config(models, batch=True)
+    config["applications"][0]["runtime_env"]["env_vars"][STORE_ENV] = "1"  # vLLM keeps responses (docs' way)
+    cluster.serve_deploy(config)
     expected = {
         "OpenAIIngress",
         "LLMServer:tiny-a",
@@ -497,7 +500,7 @@ def test_models_of_different_shapes_fall_back_to_two_hops(pd_app, tmp_path):
         file=("h.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())), purpose="batch"
     )
     batch = client.batches.create(input_file_id=infile.id, endpoint="/v1/completions", completion_window="1h")
-    assert wait_for(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 120)
+    assert wait_for(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 120), batch.id
     batch = client.batches.retrieve(batch.id)
     out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
     assert batch.status == "completed" and sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
@@ -509,6 +512,11 @@ def test_models_of_different_shapes_fall_back_to_two_hops(pd_app, tmp_path):
             cluster.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}, timeout=60
         )
         assert r.status_code == 200 and r.json()["model"] == name
+    # a stored response through the ingress: retrieved from its model's deployment (the id names it), then continued
+    first = client.responses.create(model="tiny-a", input="Hi", max_output_tokens=4)
+    assert owner_of(first.id) is not None  # the replica got the application's runtime_env: named for it
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    assert client.responses.create(model="tiny-a", input="On", previous_response_id=first.id, max_output_tokens=4).id
     # fallback: error, its prefill engine dead: a 503 + Retry-After naming the prefill pool; the other model answers
     ((prefill,),) = [
         probe(cluster.address, "each", APP, "LLMServer:tiny-c:prefill", "stats", "--replicas", "1").values()
