@@ -269,6 +269,20 @@ class _SummitRouter(RequestRouter):
         for policy in self._policies.values():
             policy.forget_replicas(alive)
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """The pending request with these very metadata gets the replica. Serve's base finds it by its internal
+        request id, which every handle call made inside one Serve request shares (a batch group's calls to a prefill
+        pool): it indexes only the first of them, and the others were never fulfilled (a batch line hung)."""
+        for pending in self._pending_requests_to_fulfill if request_metadata is not None else ():
+            if pending.metadata is request_metadata and not pending.future.done():
+                self._cancel_routing_task_for_pending_request(pending)
+                self._record_queue_wait_time(pending)
+                pending.future.set_result(replica)
+                if self._pending_requests_by_id.get(request_metadata.internal_request_id) is pending:
+                    self._remove_pending_request_from_indices(pending)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
         super().update_replicas(replicas)

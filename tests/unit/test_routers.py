@@ -413,3 +413,19 @@ def test_kv_cache_keeps_a_lora_adapters_blocks_its_own(tmp_path):
 
     base, adapter = asyncio.run(scenario())
     assert base == ["a"] * 3 and adapter == ["b"] * 3
+
+
+def test_concurrent_calls_made_inside_one_serve_request_are_each_routed():
+    """Handle calls made inside one Serve request share its internal request id (a batch group's calls to a prefill
+    pool); Serve's base router fulfils pending requests by that id and left all but one pending for ever."""
+
+    async def scenario():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router = make_router(ModelPolicyRouter, [a, b])
+        shared = [pending({"prompt": f"p{i}"}) for i in range(3)]
+        for request in shared[1:]:
+            request.metadata.internal_request_id = shared[0].metadata.internal_request_id
+        chosen = await asyncio.wait_for(asyncio.gather(*(router._choose_replica_for_request(r) for r in shared)), 10)
+        assert len(chosen) == 3 and all(r.future.done() for r in shared)
+
+    asyncio.run(scenario())
