@@ -15,6 +15,7 @@ import pytest
 
 from deployments.http.protocol import HTTPRequest
 from deployments.routing.router_options import request_router_options
+from tests.cpu.engine_apps import wait_for
 from tests.local_cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +101,17 @@ def test_a_removed_replicas_sessions_move(serve_fakes):
     assert len(set(homes)) == 2
     victim = homes[0]
     deployment = DeploymentID(name="FakeLLMServer:session_affinity", app_name="fake-session_affinity")
-    ray.kill(ray.get_actor(ReplicaID(victim, deployment).to_full_id_str(), namespace="serve"), no_restart=True)
+    name = ReplicaID(victim, deployment).to_full_id_str()
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+    def gone() -> bool:  # ray.kill returns before the actor is dead (a loaded full run's call still reached it)
+        try:
+            ray.get_actor(name, namespace="serve")
+        except ValueError:
+            return True
+        return False
+
+    assert wait_for(gone, 30, 0.1)
 
     # Serve removes the dead replica (and starts a replacement): its sessions move, the others stay. A call sent to
     # the dead replica before the router heard of its death fails once (ActorDiedError, as any Serve caller sees it)
