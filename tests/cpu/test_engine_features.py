@@ -307,9 +307,16 @@ def test_a_background_response_completes_or_is_cancelled(client):
     assert quick.status in ("queued", "in_progress")
     assert wait_for(lambda: client.responses.retrieve(quick.id).status in ("completed", "incomplete"), 120, 0.5)
     assert client.responses.retrieve(quick.id).output_text
-    long = client.responses.create(model=MODEL, input="Write on.", max_output_tokens=1500, background=True)
-    cancelled = client.responses.cancel(long.id)
-    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    cancelled = None
+    for _ in range(3):  # a loaded box's cancel may come after the 1,800 tokens: vLLM's 400, then another try
+        long = client.responses.create(model=MODEL, input="Write on.", max_output_tokens=1800, background=True)
+        try:
+            cancelled = client.responses.cancel(long.id)
+            break
+        except openai.BadRequestError:
+            assert client.responses.retrieve(long.id).status in ("completed", "incomplete")
+    assert cancelled is not None and cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):  # vLLM's: only a queued or running response can be cancelled
         client.responses.cancel(quick.id)
 

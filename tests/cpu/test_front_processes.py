@@ -252,4 +252,6 @@ def test_a_dead_engine_ends_the_front_process_streams_with_an_error_event(fronts
         assert wait_for(both_running, 120, 0.5), replica_stats(fronts)
         core.kill()
         outcomes = [f.result(timeout=120) for f in futures]
-    assert all(o.startswith("error event: EngineCore") for o in outcomes), outcomes
+    # vLLM's error event on running streams; a stream the replica had not yet passed to the engine is its 503
+    assert all(o.startswith("error event: ") for o in outcomes), outcomes
+    assert any(o.startswith("error event: EngineCore") for o in outcomes), outcomes
