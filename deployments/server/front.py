@@ -156,11 +156,12 @@ class ReplicaFront(Entry):
         if stored:
             previous = ctx.payload.get("previous_response_id")
             keeper = response_ids.owner_of(previous)
-            if keeper is not None and keeper.model(self.table.names()) not in (None, self.table.model):
+            made_by = keeper.model(self.table.names()) if keeper is not None else None
+            if made_by not in (None, self.table.model):
                 raise OpenAIError(
                     400,
-                    f"previous_response_id {previous!r} is a response of model {keeper.model(self.table.names())!r}; "
-                    "continue it with that model",
+                    f"previous_response_id {previous!r} is a response of model {made_by!r}; continue it with that "
+                    "model",
                     param="previous_response_id",
                 )
             if keeper is not None and keeper.replica != self.engine.replica_id:  # the conversation is kept there
