@@ -58,6 +58,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=256 << 20)
     if ns.load_format:
         kwargs["load_format"] = ns.load_format
+    if getattr(ns, "gpu_memory_utilization", None):  # --together: peers share the GPU, each with the same fraction
+        kwargs["gpu_memory_utilization"] = ns.gpu_memory_utilization
     return kwargs
 
 
@@ -191,6 +193,13 @@ def bench_vllm(
     ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1
 ) -> tuple[float, list[LoadResult]]:
     """vLLM's api_server, one per model (`--models`), each on its own port."""
+    with vllm_servers(ns, model_dir, tp, replicas) as (ready, urls, pids):
+        return ready, run_loads(urls, ns, pids)
+
+
+@contextlib.contextmanager
+def vllm_servers(ns: argparse.Namespace, model_dir: str, tp: int = 1, replicas: int = 1):
+    """vLLM's api_server(s) started and answering: yields (seconds until they answered, their URLs, their pids)."""
     flags = {**engine_kwargs(ns), "tensor_parallel_size": tp}
     if replicas > 1:
         flags["data_parallel_size"] = replicas
@@ -231,8 +240,7 @@ def bench_vllm(
             )
         for proc, url in servers:
             wait_http(url + "/v1/models", proc, ns.start_timeout)
-        ready = time.monotonic() - t0
-        return ready, run_loads([url for _, url in servers], ns, [proc.pid for proc, _ in servers])
+        yield time.monotonic() - t0, [url for _, url in servers], [proc.pid for proc, _ in servers]
     finally:
         for proc, _ in servers:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -248,8 +256,23 @@ def bench_summit(
     monitoring: dict | None = None,
     app_env: dict[str, str] | None = None,
     cluster_env: dict[str, str] | None = None,
-    fronts: int = 1,
+    fronts: int | None = None,
 ) -> tuple[float, list[LoadResult]]:
+    config = summit_config(ns, model_dir, tp, replicas, monitoring, app_env, fronts)
+    return serve_peer(ns, config, {**engine_env(ns), **(cluster_env or {})}, haproxy)
+
+
+def summit_config(
+    ns: argparse.Namespace,
+    model_dir: str,
+    tp: int = 1,
+    replicas: int = 1,
+    monitoring: dict | None = None,
+    app_env: dict[str, str] | None = None,
+    fronts: int | None = None,
+) -> dict:
+    """The Serve config of Summit's peer: the shipped defaults but for the load's engine settings (`fronts`: None
+    leaves models[].front_processes at its default, auto)."""
     models = [
         {
             "name": name,
@@ -260,11 +283,11 @@ def bench_summit(
             "engine_kwargs": engine_kwargs(ns),
             "stream_coalesce_ms": ns.coalesce_ms,
             "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas},
-            **({"front_processes": fronts} if fronts > 1 else {}),
+            **({} if fronts is None else {"front_processes": fronts}),
         }
         for name in model_names(ns)
     ]
-    config = {
+    return {
         "proxy_location": "HeadOnly",
         "applications": [
             {
@@ -283,7 +306,6 @@ def bench_summit(
             }
         ],
     }
-    return serve_peer(ns, config, {**engine_env(ns), **(cluster_env or {})}, haproxy)
 
 
 # Monitoring's cost (--monitoring-cost): metrics (vLLM's and Summit's, through Ray's metrics system) and traces (every
@@ -297,6 +319,15 @@ def serve_peer(
 ) -> tuple[float, list[LoadResult]]:
     """A private Ray cluster with `config` deployed: (seconds until it answered, the loads' results);
     `observe(cluster, result)` (optional) runs after each load, before the cluster stops."""
+    with summit_cluster(ns, config, env, haproxy) as (ready, cluster):
+        after_each = None if observe is None else (lambda result: observe(cluster, result))
+        # `ray start --block`: every Ray process
+        return ready, run_loads(cluster.base_url, ns, [cluster.proc.pid], after_each)
+
+
+@contextlib.contextmanager
+def summit_cluster(ns: argparse.Namespace, config: dict, env: dict[str, str], haproxy: bool):
+    """A private Ray cluster with `config` deployed and answering: yields (seconds until it answered, the cluster)."""
     # Ray's own metrics interval (10 s), as README command 1 runs: the test clusters' 2 s costs the daemons CPU
     env = {"RAY_metrics_report_interval_ms": "10000", **env}
     cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=haproxy)
@@ -304,11 +335,11 @@ def serve_peer(
         t0 = time.monotonic()
         cluster.start()
         cluster.serve_deploy(config, timeout_s=ns.start_timeout)
-        ready = time.monotonic() - t0
-        after_each = None if observe is None else (lambda result: observe(cluster, result))
-        # `ray start --block`: every Ray process
-        return ready, run_loads(cluster.base_url, ns, [cluster.proc.pid], after_each)
+        yield time.monotonic() - t0, cluster
     finally:
+        # FlashInfer's NVLink-multicast all-reduce must never run: its backend's name in any log of the cluster
+        hits = subprocess.run(["grep", "-rli", "mnnvl", str(cluster.temp_dir)], capture_output=True, text=True)
+        print(f"logs naming mnnvl in Summit's cluster: {hits.stdout.split() or 'none'}", flush=True)
         cluster.stop()
 
 
@@ -349,6 +380,40 @@ def bench_rayllm(
     path = os.pathsep.join(x for x in [str(RAYLLM_SITE), os.environ.get("PYTHONPATH", "")] if x)
     env = {**engine_env(ns), "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "PYTHONPATH": path}
     return serve_peer(ns, config, env, haproxy=True)
+
+
+@contextlib.contextmanager
+def started_peer(ns: argparse.Namespace, name: str, model_dir: str):
+    """One peer of `--together`, started and answering: yields (seconds until it answered, base URL(s), pids whose
+    process trees are the peer's CPU)."""
+    if name == "vllm":
+        with vllm_servers(ns, model_dir) as (ready, urls, pids):
+            yield ready, urls, pids
+        return
+    fronts = {"summit": None, "summit-1proc": 1, "summit-fronts": ns.front_processes}[name]
+    with summit_cluster(ns, summit_config(ns, model_dir, fronts=fronts), engine_env(ns), True) as (ready, cluster):
+        yield ready, cluster.base_url, [cluster.proc.pid]
+
+
+def run_together(ns: argparse.Namespace, model_dir: str, names: list[str]) -> dict[str, list]:
+    """`--together`: every peer started once, one after another (each engine with the same
+    --gpu-memory-utilization of the one GPU), then --rounds rounds of their loads, the peers' order reversed each
+    round (A B, B A, A B, ...); the idle peers wait meanwhile. Rounds per peer as main's loop keeps them."""
+    rounds: dict[str, list] = {}
+    with contextlib.ExitStack() as stack:
+        started = {}
+        for name in names:
+            started[name] = stack.enter_context(started_peer(ns, name, model_dir))
+            print(f"{name}: ready in {started[name][0]:.1f} s", flush=True)
+        for round_no in range(ns.rounds):
+            for name in names if round_no % 2 == 0 else names[::-1]:
+                ready, urls, pids = started[name]
+                ns.peer = f"{name}-r{round_no + 1}"
+                print(f"round {round_no + 1} {name}", flush=True)
+                rounds.setdefault(name, []).append((ready, run_loads(urls, ns, pids)))
+                if ns.json:
+                    write_json(ns.json, rounds)
+    return rounds
 
 
 def median_round(runs: list[tuple[float, list[LoadResult]]]) -> tuple[float, list[LoadResult]]:
@@ -415,6 +480,14 @@ def main() -> None:
         "them (Summit: one application; vLLM: one api_server each; Ray Serve LLM: not with N > 1)",
     )
     p.add_argument("--only", choices=["vllm", "summit", "summit-hops", "rayllm", "summit-fronts"], default=None)
+    p.add_argument(
+        "--together",
+        nargs="+",
+        choices=["vllm", "summit", "summit-1proc", "summit-fronts"],
+        help="start these peers once, side by side on the one GPU (each --gpu-memory-utilization), and alternate "
+        "their loads --rounds times (summit: as shipped; summit-1proc: front_processes 1)",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="every peer's engine (GPU)")
     p.add_argument(
         "--front-processes",
         type=int,
@@ -493,7 +566,9 @@ def main() -> None:
             "--rayllm takes one model: Ray Serve LLM 2.60's direct streaming serves one model per application"
         )
     rounds: dict[str, list[tuple[float, list[LoadResult]]]] = {}
-    for round_no in range(ns.rounds):
+    if ns.together:
+        rounds = run_together(ns, model_dir, ns.together)
+    for round_no in range(0 if ns.together else ns.rounds):
         for tp, replicas in layouts:
             suffix = "" if (tp, replicas) == (1, 1) else f" tp{tp}x{replicas}"
             for name, fn in peers.items():

@@ -9,6 +9,9 @@
 #   bash scripts/gpu_host.sh bench1 PEER   # one GPU, 8B shapes: PEER = vllm | summit (direct) | summit-hops |
 #                                          # summit-fronts (front_processes: $FRONTS, default 4),
 #                                          # 1/32/256 streams, 8 client processes (one peer a call: each takes minutes)
+#   bash scripts/gpu_host.sh pair [PEERS]  # one GPU, 8B shapes: PEERS (default "vllm summit") started once side by
+#                                          # side (gpu_memory_utilization 0.42 each), then ROUNDS (default 3) alternating
+#                                          # rounds of 1/32/256 streams; PROFILE=1 adds py-spy of the serving processes
 #   bash scripts/gpu_host.sh pd PEER       # two GPUs, 8B shapes, NIXL (wheels nixl + nixl-cu13 carried in .whl-nixl):
 #                                          # PEER = summit-pd | summit-agg | vllm-pd (bench/pd.py), 8/32/128 streams,
 #                                          # ~2k-token prompts, 256 out
@@ -33,7 +36,7 @@ out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
 . /tmp/kit/kit.sh env
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl/*.whl
-  export PYTHONPATH=/tmp/site-extra:$PYTHONPATH
+  export PYTHONPATH=/tmp/site-extra:$PYTHONPATH PATH=/tmp/site-extra/bin:$PATH
 fi
 # NIXL (vLLM's NixlConnector: `pd`, and tests/gpu/test_pd_gpu.py) when its wheels travel in .whl-nixl (carried)
 if compgen -G ".whl-nixl/*.whl" >/dev/null; then
@@ -92,6 +95,20 @@ bench1)
     --max-model-len 4096 --client-procs 8 --hops --front-processes "${FRONTS:-4}" --only "$peer" \
     --json "$out/gpu1-$peer.json" 2>&1 \
     | tee "$out/gpu1-$peer.log" ;;
+pair)
+  # the method: both peers started once (vLLM first), each engine with the same share of the GPU, then
+  # alternating rounds of the same loads (A B, B A, A B); the idle peer waits meanwhile
+  peers=${2:-vllm summit}
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+  profile=()
+  [ "${PROFILE:-0}" = 1 ] && profile=(--profile /tmp/pyspy)  # the summaries go to the log; raw samples stay there
+  # shellcheck disable=SC2086 # word splitting wanted: a list of peers
+  python3 bench/serve_overhead.py --model-dir "$model8b" --accelerator gpu --load-format dummy \
+    --concurrency ${CONC:-1 32 256} --requests-per-stream 2 --max-tokens 256 --prompt-words 100 --max-num-seqs 256 \
+    --max-model-len 4096 --client-procs 8 --together $peers --rounds "${ROUNDS:-3}" \
+    --gpu-memory-utilization "${GPU_UTIL:-0.42}" "${profile[@]}" --json "$out/gpu-pair.json" 2>&1 \
+    | tee "$out/gpu-pair.log"
+  grep -li mnnvl /tmp/bench-vllm-*.log 2>/dev/null | tee "$out/mnnvl-hits-pair.txt" ;;
 pd|pd1)
   # pd1: one GPU, vllm-pd only, both servers on GPU 0: a smoke test of NIXL with this vLLM (no figures)
   peer=${2:?usage: gpu_host.sh pd summit-pd|summit-agg|vllm-pd}

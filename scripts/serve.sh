@@ -7,9 +7,6 @@ bash scripts/setup.sh
 . "${SUMMIT_VENV:-.venv}/bin/activate"
 export RAY_AUTH_MODE=disabled                 # loopback dev; cluster configs use token auth
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0    # keep Ray on 127.0.0.1
-# Serve's control loop every 0.5 s instead of 0.1: on 2 cores it cut the serving side's CPU per token by 3-11 %
-# (bench/results/cpu-serving-5rounds-2026-11-27.md); autoscaling delays are in seconds either way
-export RAY_SERVE_CONTROL_LOOP_INTERVAL_S=${RAY_SERVE_CONTROL_LOOP_INTERVAL_S:-0.5}
 export SUMMIT_TINY_MODEL=${SUMMIT_TINY_MODEL:-$HOME/.cache/summit/models/tiny-llama}
 [ -f "$SUMMIT_TINY_MODEL/model.safetensors" ] || summit make-tiny-model "$SUMMIT_TINY_MODEL"
 # The direct path: Serve's HAProxy sends each request to the engine replica (stats/metrics ports on loopback).

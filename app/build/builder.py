@@ -14,6 +14,7 @@ from ray.serve import Application
 
 from app.build.disaggregation import disaggregation_problem, pd_side
 from app.build.engine_checks import load_config
+from app.build.fronts import check_front_processes, resolve_front_processes, responses_stored
 from app.build.options import (
     ADAPTER_REGISTRY_OPTIONS,
     BATCH_API_OPTIONS,
@@ -37,7 +38,6 @@ from app.config import SummitConfig
 from deployments.batch.api import BatchAPI
 from deployments.batch.runner import BatchRunner
 from deployments.hops.ingress import OpenAIIngress
-from deployments.http.response_ids import STORE_ENV, store_on
 from deployments.lora.runtime import AdapterRegistry
 from deployments.pipeline.auth import load_api_keys
 from deployments.pipeline.rate_limit import RateLimiter
@@ -98,29 +98,6 @@ def request_path(config: SummitConfig, haproxy: bool) -> tuple[str, str]:
     return "hops", problem
 
 
-def responses_stored() -> bool:
-    """Whether vLLM keeps responses in the replicas: STORE_ENV set in the application's runtime_env (the builder runs
-    in it) or in the cluster's environment, which the replicas share."""
-    return store_on(os.environ.get(STORE_ENV, "0"))
-
-
-def check_front_processes(config: SummitConfig, path: str, why: str) -> None:
-    """Front processes share a replica's HTTP port, which only the direct path sends requests to; each keeps its own
-    stored responses."""
-    several = [m.name for m in config.models if m.front_processes > 1]
-    if several and responses_stored():
-        raise ValueError(
-            f"models[{several[0]!r}].front_processes > 1 with {STORE_ENV}=1: each front process would keep its own "
-            "responses and a retrieve could reach another. Fix: set front_processes: 1, or unset the variable"
-        )
-    if several and path != "direct":
-        raise ValueError(
-            f"models[{several[0]!r}].front_processes > 1 serves the replica's own HTTP port, which only the direct "
-            f"path uses; this app runs the two-hop path ({why}). Fix: set front_processes: 1, or make the direct "
-            "path possible (ingress.path: auto with RAY_SERVE_ENABLE_HA_PROXY=1)"
-        )
-
-
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the YAML args once, check the cluster can hold the models, then bind the request path:
     direct (the engine deployment is the HTTP ingress behind HAProxy, a route picker chooses each request's replica)
@@ -130,6 +107,7 @@ def build_app(args: dict[str, Any]) -> Application:
     path, why = request_path(config, haproxy_enabled())
     logger.info("Summit request path: %s (%s)", path, why)
     check_front_processes(config, path, why)
+    config = resolve_front_processes(config, path == "direct", responses_stored())
     shared = Shared(
         # each disaggregated model's prefill pool, handed to the deployment of its decode side
         prefill={

@@ -32,6 +32,14 @@ DIRECT_PATH_ENV = {
     # Serve kills a proxy (here its HAProxy manager) not ready within 5 s, and a deploy meeting that fails with a 500;
     # a node busy loading engines can take longer to start HAProxy (seen in CI: two jobs' heads on one loaded node)
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+    # Ray's idle cost on a serving node. Ray starts a Python worker per CPU for the first driver and keeps idle ones
+    # ready; a Summit node needs a few actors, started once (one H200 host, 64 CPUs: idle workers starting used
+    # 3.8-4.9 CPU-s during a 3-s load, more than vLLM's whole server). Actors start their worker when created.
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
+    # Serve's control loop every 0.5 s instead of 0.1 s: the controller was the largest of Ray's daemons at one
+    # stream (bench/results); Serve's health checks, autoscaling and deploys act in seconds either way
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
 

@@ -112,13 +112,13 @@ class ModelConfig(Strict):
         "streams, continued exactly), all (any temperature: sampled anew from there), off "
         "(docs/features/stream-migration.md).",
     )
-    front_processes: int = Field(
-        1,
-        ge=1,
-        le=64,
+    front_processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto",
         description="Processes that serve each replica's HTTP port, each its own client of the replica's one engine "
-        "core (as `vllm serve --api-server-count`): more than 1 when one Python process cannot keep up with a GPU's "
-        "streams. Direct path only (docs/features/front-processes.md).",
+        "core (as `vllm serve --api-server-count`). auto (default): on a GPU on the direct path, one per 64 of the "
+        "engine's max_num_seqs, at most 4 and at most a quarter of the cluster's CPUs per GPU; 1 on CPU, on the "
+        "two-hop path and with lora, disaggregation, sleep or stored responses. An integer sets it (more than 1: "
+        "direct path only; docs/features/front-processes.md).",
     )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions, description="Ray Serve options.")
     routing: RoutingOptions = Field(
@@ -194,6 +194,11 @@ class ModelConfig(Strict):
     def sleep(self) -> SleepOptions | None:
         """The replica's sleep mode: `deployment.sleep`, else the defaults where the model shares a GPU, else None."""
         return self.deployment.sleep or (SleepOptions() if self._share is not None else None)
+
+    @property
+    def front_processes_set(self) -> int:
+        """The front processes the YAML asks for (1 for auto, which the builder resolves: app/build/fronts.py)."""
+        return self.front_processes if isinstance(self.front_processes, int) else 1
 
     @model_validator(mode="after")
     def _kv_offload_on_gpus(self) -> ModelConfig:
@@ -283,7 +288,7 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _front_processes_alone(self) -> ModelConfig:
-        if self.front_processes > 1 and (self.lora or self.disaggregation):
+        if self.front_processes_set > 1 and (self.lora or self.disaggregation):
             key = "lora" if self.lora else "disaggregation"
             raise ValueError(
                 f"model {self.name!r}: front_processes: {self.front_processes} with `{key}` is not supported (each "

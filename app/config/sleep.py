@@ -50,7 +50,7 @@ def _check_member(m: ModelConfig, root: ModelConfig) -> None:
             f"{where}.deployment.autoscaling_config: models sharing a GPU (share_with: {group}) keep a fixed "
             "num_replicas (their replicas are paired on GPUs); remove autoscaling_config"
         )
-    for key, on in (("disaggregation", m.disaggregation is not None), ("front_processes", m.front_processes > 1)):
+    for key, on in (("disaggregation", m.disaggregation is not None), ("front_processes", m.front_processes_set > 1)):
         if on:
             raise ValueError(f"{where}.{key}: not supported with share_with (sleep mode); remove one of them")
 
@@ -69,7 +69,7 @@ def sleep_problem(m: ModelConfig) -> str | None:
             f"models[{m.name!r}].deployment.sleep.level: 2 discards the weights and reloads them on wake, which vLLM "
             "refuses for engine_kwargs.load_format: dummy ('Model reloading with `dummy` format'); use level 1"
         )
-    if m.front_processes > 1:
+    if m.front_processes_set > 1:
         return (
             f"models[{m.name!r}].deployment.sleep: not supported with front_processes > 1 (requests of the other "
             "front processes would not wake the engine); set front_processes: 1 or remove sleep"
