@@ -180,7 +180,7 @@ def profiled(ns: argparse.Namespace, server_pids: list[int], load: str):
 
 
 # the processes a request's work runs in (a py-spy per idle Ray daemon took more CPU than the load on 2 cores)
-PROFILED_ROLES = ("ray::ServeReplica", "ray::HAProxyManager", "VLLM::", "python vllm.entrypoints")
+PROFILED_ROLES = ("ray::ServeReplica", "ray::FrontProcess", "ray::HAProxyManager", "VLLM::", "python vllm.entrypoints")
 
 
 def serving_processes(root_pid: int) -> list[int]:
