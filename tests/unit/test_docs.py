@@ -140,7 +140,7 @@ def test_every_ray_start_the_docs_give_lands_on_the_direct_path():
         assert starts and all('eval "$(summit direct-path-env)"' in line for line in starts), name
     rayservice = (REPO / "cluster_yaml/kuberay/rayservice.yaml").read_text()
     assert rayservice.count("RAY_SERVE_ENABLE_HA_PROXY") >= 2  # head and worker containers
-    assert set(DIRECT_PATH_ENV) <= set(re.findall(r"name: (RAY_SERVE_\w+)", rayservice))
+    assert set(DIRECT_PATH_ENV) <= set(re.findall(r"name: (RAY_\w+)", rayservice))
 
 
 def test_pip_index_settings_reach_uv_as_pip_reads_them():
