@@ -54,9 +54,22 @@ GENERATION_CAPS = {
 }
 
 
-def problem(status: int, headers, body: bytes, sent: str = "") -> str | None:
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_error(body: bytes) -> bool:
+    """Anthropic's error shape: {"type": "error", "error": {"type": ..., "message": ...}}."""
+    try:
+        answer = json.loads(body)
+        return answer["type"] == "error" and all(isinstance(answer["error"][k], str) for k in ("type", "message"))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def problem(status: int, headers, body: bytes, sent: str = "", path: str = "") -> str | None:
     """What is wrong with one answer, or None. `sent`: what the client sent (URL, query, body): an answer may echo
-    the client's own input (`?after=ReplicaId` answered "no object with id 'ReplicaId'") without leaking."""
+    the client's own input (`?after=ReplicaId` answered "no object with id 'ReplicaId'") without leaking. `path`: on
+    Anthropic's routes (/v1/messages...) vLLM answers errors in Anthropic's shape, which their clients read."""
     if status >= 500 and not (status == 503 and "retry-after" in {k.lower() for k in headers.keys()}):
         return f"server error {status}"
     if status >= 400:
@@ -64,7 +77,7 @@ def problem(status: int, headers, body: bytes, sent: str = "") -> str | None:
             error = json.loads(body)["error"]
             ok = isinstance(error["message"], str) and isinstance(error["type"], str) and error["code"] == status
         except Exception:  # noqa: BLE001 — anything not OpenAI's shape
-            ok = False
+            ok = path.startswith(ANTHROPIC_PREFIX) and anthropic_error(body)
         if not ok:
             return f"{status} not OpenAI-shaped"
         text = body.decode("utf-8", "replace")
@@ -210,7 +223,7 @@ def _send_case(session: httpx.Client, case, op, api_key, model, rng, report: Rep
             report.add(
                 label,
                 r.status_code,
-                problem(r.status_code, r.headers, data, echo),
+                problem(r.status_code, r.headers, data, echo, op.path),
                 data.decode("utf-8", "replace"),
                 sent,
             )

@@ -17,7 +17,7 @@ modules. Each module imports vLLM inside its functions, so importing the package
 
 # vLLM's default batch size: the schema holds it (the schema imports no engine)
 from app.config import DEFAULT_MAX_NUM_SEQS
-from deployments.engine.app import EngineApp, start_engine_app, start_engine_client
+from deployments.engine.app import EngineApp, start_engine_app, start_engine_client, vllm_post_routes
 from deployments.engine.args import (
     CPU_QUANTIZATION,
     NO_NVLINK_MULTICAST_ENV,
@@ -103,6 +103,7 @@ __all__ = [
     "sleep_engine",
     "start_engine_app",
     "start_engine_client",
+    "vllm_post_routes",
     "tool_parser",
     "tool_parser_names",
     "unload_adapter",

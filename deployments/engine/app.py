@@ -132,6 +132,16 @@ async def _openai_app(engine, args: Namespace):
     return app
 
 
+def vllm_post_routes(args: Namespace, runner: str, convert: str, tasks: tuple[str, ...]) -> frozenset[str]:
+    """Every POST path vLLM's `api_server` registers for a model of `args` run as `runner`/`convert` serving
+    `tasks`: its app built as `vllm serve` builds it, without an engine (the route tables compared: routes.py)."""
+    from vllm.config import ModelConfig
+
+    _, build_app, _ = openai_entrypoints()
+    app = build_app(args, tasks, ModelConfig(model=args.model, runner=runner, convert=convert))
+    return frozenset(r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ()))
+
+
 def _offload_tier_events(vllm_config) -> None:
     """With KV events on (kv_cache routing) and vLLM's native CPU offload (`kv_offloading_size`: its
     OffloadingConnector), have the connector publish its CPU tier's blocks as whole `BlockStored` events (tokens and

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -22,7 +23,6 @@ from deployments.http.asgi import read_body, send_json, send_plain
 from deployments.http.errors import OpenAIError
 from deployments.http.protocol import (
     ARRIVAL_HEADER,
-    BATCH_PREFIXES,
     HOP_HEADERS,
     PATH_HEADER,
     REQUEST_ID_HEADER,
@@ -32,10 +32,11 @@ from deployments.http.protocol import (
     without,
 )
 from deployments.http.relay import first_response, relay, rest_of_body
-from deployments.lora.runtime import LOAD, MAX_BODY_BYTES, RUNTIME_LORA_ROUTES, parse_load, parse_unload
+from deployments.http.routes import Route, route_of
+from deployments.lora.runtime import LOAD, MAX_BODY_BYTES, parse_load, parse_unload
 from deployments.pipeline.auth import load_api_keys
 from deployments.pipeline.context import Entry, RequestContext, run_steps
-from deployments.pipeline.entry import POST_ROUTES, authenticate, bounded_body, not_served, rate_limit, resolve_model
+from deployments.pipeline.entry import authenticate, bounded_body, not_served, rate_limit, resolve_model
 from deployments.pipeline.handoff import to_batch_api
 from deployments.pipeline.rate_limit import Limits
 from deployments.routing.choose import can_route
@@ -76,30 +77,38 @@ class OpenAIIngress:
         names = lambda: [*self._servers, *self._adapters, *self._runtime]  # noqa: E731
         self._rate_limit = rate_limit(limits)
         self._request_steps = [bounded_body(), resolve_model(names, self._names_again), self._rate_limit]
+        self._handlers = self._route_handlers()
 
     def __serve_build_asgi_app__(self):
         return Entry(self._route)
 
     async def _route(self, ctx: RequestContext) -> None:
-        if ctx.path == "/health":
-            await send_plain(ctx.send, 200)
-            return
-        if ctx.path == "/openapi.json" and ctx.method == "GET":
-            await self._openapi(ctx)
-            return
-        await run_steps([self._authenticate], ctx)
-        if ctx.method == "GET" and ctx.path == "/v1/models":
-            await send_json(ctx.send, 200, {"object": "list", "data": await self._models()}, self._path_header)
-        elif ctx.path in RUNTIME_LORA_ROUTES:
-            await self._runtime_lora(ctx)
-        elif ctx.path.startswith(BATCH_PREFIXES):
-            await to_batch_api(ctx, self._batch_api and self._batch_api.options(stream=True).handle_http.remote)
-        elif ctx.method == "POST" and ctx.path in POST_ROUTES:
-            await self._generate(ctx)
-        elif (found := response_ids.ROUTE.match(ctx.path)) is not None:
-            await self._stored_response(ctx, found["id"])
-        else:
+        """Dispatch by the route table both entries share (http/routes.py)."""
+        route = route_of(ctx.method, ctx.path)
+        if route is None or not route.public:
+            await run_steps([self._authenticate], ctx)
+        if route is None:
             raise not_served(ctx)
+        await self._handlers[route.handler](ctx, route)
+
+    def _route_handlers(self) -> dict[str, Callable[[RequestContext, Route], Awaitable[None]]]:
+        """This entry's handler of each route of the table (http/routes.HANDLERS)."""
+
+        async def models(ctx: RequestContext, _) -> None:
+            await send_json(ctx.send, 200, {"object": "list", "data": await self._models()}, self._path_header)
+
+        def batch_api():
+            return self._batch_api and self._batch_api.options(stream=True).handle_http.remote
+
+        return {
+            "health": lambda ctx, _: send_plain(ctx.send, 200),
+            "openapi": lambda ctx, _: self._openapi(ctx),
+            "models": models,
+            "runtime_lora": lambda ctx, _: self._runtime_lora(ctx),
+            "batch": lambda ctx, _: to_batch_api(ctx, batch_api()),
+            "generate": lambda ctx, _: self._generate(ctx),
+            "stored_response": lambda ctx, route: self._stored_response(ctx, route.match["id"]),
+        }
 
     def _headers(self, ctx: RequestContext, keeper: response_ids.Owner | None) -> list[tuple[bytes, bytes]]:
         """The request's headers as they go on. Serve's proxy answers with the client's x-request-id (or its own);

@@ -20,11 +20,12 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from deployments.http.errors import OpenAIError
+from deployments.http.routes import LORA_LOAD, LORA_UNLOAD
 from deployments.lora.adapters import Adapters
 
 logger = logging.getLogger("ray.serve")
 
-LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+LOAD, UNLOAD = LORA_LOAD, LORA_UNLOAD
 RUNTIME_LORA_ROUTES = frozenset({LOAD, UNLOAD})
 SYNC_PERIOD_S = 1.0
 MAX_BODY_BYTES = 64 * 1024  # a name and a path

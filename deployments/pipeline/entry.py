@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from deployments.http.asgi import read_body
 from deployments.http.errors import OpenAIError
+from deployments.http.routes import POST_ROUTES
 from deployments.pipeline.auth import authorized, owner_of, unauthorized
 from deployments.pipeline.context import RequestContext, Step
 from deployments.pipeline.model_names import model_and_payload
@@ -18,26 +19,6 @@ from deployments.pipeline.rate_limit import Limits
 # The largest body an OpenAI route takes (a 128k-token prompt as token ids is ~1 MiB; images inline in a chat are
 # the big ones): a larger one is answered 413 before it is read.
 MAX_REQUEST_BYTES = 32 << 20
-# The OpenAI routes Summit serves, each a model's where vLLM serves it for that model's task (generation: completions,
-# chat, responses; pooling models: embeddings, pooling, scoring, reranking, classification); vLLM's app has more
-# (metrics, admin) that stay unreachable.
-POST_ROUTES = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/responses",
-        "/tokenize",
-        "/detokenize",
-        "/v1/embeddings",
-        "/pooling",
-        "/classify",
-        "/score",
-        "/v1/score",
-        "/rerank",
-        "/v1/rerank",
-        "/v2/rerank",
-    }
-)
 
 
 def route_not_served(model: str, path: str, served: frozenset[str]) -> OpenAIError:

@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -28,21 +28,20 @@ from deployments.http.errors import OpenAIError
 from deployments.http.openapi import build as build_openapi
 from deployments.http.protocol import (
     BATCH_LINE_SCOPE_KEY,
-    BATCH_PREFIXES,
     FORWARDED_HEADER,
     REPLICA_HEADER,
     TARGET_HEADER,
 )
 from deployments.http.relay import relay
+from deployments.http.routes import POST_ROUTES, Route, route_of
 from deployments.lora.adapters import AdapterLoadError
-from deployments.lora.runtime import MAX_BODY_BYTES, RUNTIME_LORA_ROUTES, RuntimeAdapters
+from deployments.lora.runtime import MAX_BODY_BYTES, RuntimeAdapters
 from deployments.observability.metrics import ReplicaMetrics
 from deployments.observability.tracing import Tracing
 from deployments.observability.watch import RequestWatch
 from deployments.pipeline.admission import Admission
 from deployments.pipeline.context import Entry, RequestContext, run_steps
 from deployments.pipeline.entry import (
-    POST_ROUTES,
     authenticate,
     bounded_body,
     not_served,
@@ -114,6 +113,7 @@ class ReplicaFront(Entry):
         self._openapi: dict | None = None
         o = self.options
         self._authenticate = authenticate(o.keys)
+        self._handlers = self._route_handlers()
         self._rate_limit = rate_limit(o.limits)
         self._request_steps = [bounded_body(), resolve_model(table.names), self._rate_limit]
         self._replica_steps = [
@@ -127,25 +127,34 @@ class ReplicaFront(Entry):
         ]
 
     async def _route(self, ctx: RequestContext) -> None:
-        if ctx.path == "/health":
-            await send_plain(ctx.send, 503 if self.engine.dead() else 200)
-            return
-        if ctx.path == "/openapi.json" and ctx.method == "GET":  # what a client may send (public, as vLLM's own)
-            await send_json(ctx.send, 200, self.openapi())
-            return
-        await run_steps([self._authenticate], ctx)
-        if ctx.method == "GET" and ctx.path == "/v1/models":
-            await send_json(ctx.send, 200, await self.table.listing(await self._vllm_models(ctx)))
-        elif ctx.path in RUNTIME_LORA_ROUTES and self.options.runtime_lora is not None:
-            await self._runtime_lora(ctx)
-        elif ctx.path.startswith(BATCH_PREFIXES):
-            await to_batch_api(ctx, self.options.batch_api)
-        elif ctx.method == "POST" and ctx.path in POST_ROUTES:
-            await self._generate(ctx)
-        elif (found := response_ids.ROUTE.match(ctx.path)) is not None:
-            await self._stored_response(ctx, found["id"], "POST" if found["cancel"] else "GET")
-        else:
+        """Dispatch by the route table both entries share (http/routes.py)."""
+        route = route_of(ctx.method, ctx.path)
+        if route is None or not route.public:
+            await run_steps([self._authenticate], ctx)
+        if route is None or (route.handler == "runtime_lora" and self.options.runtime_lora is None):
             raise not_served(ctx)
+        await self._handlers[route.handler](ctx, route)
+
+    def _route_handlers(self) -> dict[str, Callable[[RequestContext, Route], Awaitable[None]]]:
+        """This entry's handler of each route of the table (http/routes.HANDLERS)."""
+
+        async def health(ctx: RequestContext, _) -> None:
+            await send_plain(ctx.send, 503 if self.engine.dead() else 200)
+
+        async def models(ctx: RequestContext, _) -> None:
+            await send_json(ctx.send, 200, await self.table.listing(await self._vllm_models(ctx)))
+
+        return {
+            "health": health,
+            "openapi": lambda ctx, _: send_json(ctx.send, 200, self.openapi()),  # public, as vLLM's own
+            "models": models,
+            "runtime_lora": lambda ctx, _: self._runtime_lora(ctx),
+            "batch": lambda ctx, _: to_batch_api(ctx, self.options.batch_api),
+            "generate": lambda ctx, _: self._generate(ctx),
+            "stored_response": lambda ctx, route: self._stored_response(
+                ctx, route.match["id"], "POST" if route.match["cancel"] else "GET"
+            ),
+        }
 
     async def _generate(self, ctx: RequestContext) -> None:
         await run_steps(self._request_steps, ctx)

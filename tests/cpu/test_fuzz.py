@@ -64,6 +64,9 @@ def test_problem_detects_what_it_must():
     assert problem(503, {"Retry-After": "1"}, b'{"error": {"message": "m", "type": "x", "code": 503}}') is None
     assert problem(503, {}, b'{"error": {"message": "m", "type": "x", "code": 503}}') == "server error 503"
     assert problem(422, {}, b'{"detail": [1]}') == "422 not OpenAI-shaped"
+    anthropic = b'{"type": "error", "error": {"type": "invalid_request_error", "message": "m"}}'
+    assert problem(400, {}, anthropic, path="/v1/messages") is None  # Anthropic's clients read their own shape
+    assert problem(400, {}, anthropic, path="/v1/chat/completions") == "400 not OpenAI-shaped"
     for leak in (
         "Traceback (most recent call last)",
         "/tmp/ray/session",

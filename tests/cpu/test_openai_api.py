@@ -270,3 +270,23 @@ def test_32_concurrent_streams_complete(aclient):
     assert len(results) == 32
     assert [(tokens, finish) for tokens, finish, _ in results] == [(24, "length")] * 32, results
     assert all(text for _, _, text in results), results
+
+
+def test_anthropic_messages_reach_the_engine_as_vllm_serves_them(summit):
+    """POST /v1/messages (Anthropic's Messages API, which vLLM's own server serves for generative models) goes to the
+    model's engine through the same front: an answer, a stream of Anthropic's events, a token count. Summit answered
+    all three 404 before its route table followed vLLM's."""
+    body = {"model": MODEL, "max_tokens": 8, "messages": MESSAGES}
+    r = httpx.post(summit.base_url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["type"] == "message" and answer["role"] == "assistant", answer
+    assert 1 <= answer["usage"]["output_tokens"] <= 8 and answer["usage"]["input_tokens"] > 0
+    with httpx.stream("POST", summit.base_url + "/v1/messages", json={**body, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        events = [line.split(": ", 1)[1] for line in s.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "message_stop" and "content_block_delta" in events, events
+    count = httpx.post(
+        summit.base_url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": MESSAGES}, timeout=30
+    )
+    assert count.status_code == 200 and count.json()["input_tokens"] == answer["usage"]["input_tokens"], count.text
