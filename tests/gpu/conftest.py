@@ -57,7 +57,7 @@ def tiny_gpu_model(model_dirs, **overrides) -> dict:
         "name": "tiny-llama",
         "source": model_dirs["tiny"],
         "accelerator": "gpu",
-        "engine_kwargs": {"max_model_len": 2048, "gpu_memory_utilization": 0.15, "max_num_seqs": 64},
+        "engine_kwargs": {"max_model_len": 2048, "gpu_memory_utilization": 0.15, "max_num_seqs": 128},
         **overrides,
     }
 

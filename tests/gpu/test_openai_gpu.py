@@ -58,3 +58,25 @@ def test_llama8b_shapes_chat_stream_and_logprobs(client):
         model="llama-8b", prompt="The summit is high", max_tokens=2, extra_body={"prompt_logprobs": 1}
     )
     assert len(r.choices[0].model_extra["prompt_logprobs"]) == r.usage.prompt_tokens
+
+
+def test_the_default_serves_a_gpu_model_from_several_front_processes(summit):
+    """front_processes is left at auto: a GPU model of 128 sequences on a cluster of 8 CPUs per GPU gets 2 processes
+    (app/build/fronts.py), so some of 32 concurrent requests are answered by the front process (`x-summit-front`),
+    the others by the replica's own; with one process none would carry the header."""
+    import concurrent.futures
+
+    import httpx
+
+    from tests.cpu.test_openai_api import MODEL
+
+    def front(_) -> str | None:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        with httpx.Client(timeout=60) as c:  # a connection each: the kernel spreads connections over the processes
+            r = c.post(summit.base_url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.headers.get("x-summit-front")
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        answered = list(pool.map(front, range(32)))
+    assert {a for a in answered if a is not None} == {"1"} and None in answered, answered
