@@ -41,9 +41,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.build.options import DIRECT_PATH_ENV  # noqa: E402
 from bench.loadgen import LoadResult, cpu_by_process, cpu_used_s, make_prompts, run_load, run_load_processes, tree_cpu_s  # noqa: E402
 from deployments.engine import NO_NVLINK_MULTICAST_ENV  # noqa: E402
-from tests.local_cluster import LOOPBACK, LocalCluster, _http_ok, free_port, loopback_env  # noqa: E402
+from tests.local_cluster import (  # noqa: E402
+    LOOPBACK,
+    RAY_WORKER_PRESTART,
+    LocalCluster,
+    _http_ok,
+    free_port,
+    loopback_env,
+)
 
 MODEL = "bench-model"
 
@@ -328,8 +336,10 @@ def serve_peer(
 @contextlib.contextmanager
 def summit_cluster(ns: argparse.Namespace, config: dict, env: dict[str, str], haproxy: bool):
     """A private Ray cluster with `config` deployed and answering: yields (seconds until it answered, the cluster)."""
-    # Ray's own metrics interval (10 s), as README command 1 runs: the test clusters' 2 s costs the daemons CPU
-    env = {"RAY_metrics_report_interval_ms": "10000", **env}
+    # Ray's own metrics interval (10 s), as README command 1 runs: the test clusters' 2 s costs the daemons CPU; Ray's
+    # worker prestart as the direct-path environment sets it (the test clusters keep Ray's default)
+    lean = {k: DIRECT_PATH_ENV[k] for k in RAY_WORKER_PRESTART}
+    env = {"RAY_metrics_report_interval_ms": "10000", **lean, **env}
     cluster = LocalCluster(num_cpus=max(4, os.cpu_count() or 4), env=env, haproxy=haproxy)
     try:
         t0 = time.monotonic()

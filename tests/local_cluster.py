@@ -20,6 +20,10 @@ import yaml
 from app.clusters.job_env import LOOPBACK, free_port, haproxy_env
 
 SHM = "/dev/shm"
+# Ray's worker prestart, which the direct-path environment turns off for a serving node (app/build/options.py): the
+# test clusters keep Ray's default, a pool of workers started ahead for the many actors a test creates and replaces on
+# a loaded 2-core box. A caller's env may turn it off again (bench/serve_overhead.py measures Summit as shipped).
+RAY_WORKER_PRESTART = {"RAY_enable_worker_prestart": "1", "RAY_prestart_worker_first_driver": "1"}
 
 
 def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -71,7 +75,7 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         if self.haproxy:  # fixed here: every process of the cluster must see the same HAProxy files and ports
-            self.env = {**haproxy_env(self.temp_dir / "h"), **self.env}
+            self.env = {**haproxy_env(self.temp_dir / "h"), **RAY_WORKER_PRESTART, **self.env}
 
     @property
     def address(self) -> str:
