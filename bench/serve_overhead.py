@@ -349,7 +349,8 @@ def summit_cluster(ns: argparse.Namespace, config: dict, env: dict[str, str], ha
     finally:
         # FlashInfer's NVLink-multicast all-reduce must never run: its backend's name in any log of the cluster
         hits = subprocess.run(["grep", "-rli", "mnnvl", str(cluster.temp_dir)], capture_output=True, text=True)
-        print(f"logs naming mnnvl in Summit's cluster: {hits.stdout.split() or 'none'}", flush=True)
+        named = hits.stdout.split() or "none"
+        print(f"logs of Summit's cluster naming FlashInfer's multicast all-reduce backend: {named}", flush=True)
         cluster.stop()
 
 
