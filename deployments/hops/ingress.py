@@ -92,7 +92,7 @@ class OpenAIIngress:
         await self._handlers[route.handler](ctx, route)
 
     def _route_handlers(self) -> dict[str, Callable[[RequestContext, Route], Awaitable[None]]]:
-        """This entry's handler of each route of the table (http/routes.HANDLERS)."""
+        """This entry's handler of each route of the table (the names http/routes.route_of gives)."""
 
         async def models(ctx: RequestContext, _) -> None:
             await send_json(ctx.send, 200, {"object": "list", "data": await self._models()}, self._path_header)

@@ -62,15 +62,13 @@ LORA_LOAD, LORA_UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 @dataclass(frozen=True)
 class Route:
-    """Where a request goes: `handler`, one of HANDLERS (each entry has one of each); `public`: answered without an
-    API key (the health check, the OpenAPI document, as vLLM's own server); `match`: the path's parts, if any."""
+    """Where a request goes: `handler`, the name of an entry's handler (each entry has one for every name route_of
+    gives); `public`: answered without an API key (the health check, the OpenAPI document, as vLLM's own server);
+    `match`: the path's parts, if any."""
 
     handler: str
     public: bool = False
     match: re.Match | None = None
-
-
-HANDLERS = ("health", "openapi", "models", "runtime_lora", "batch", "generate", "stored_response")
 
 
 def route_of(method: str, path: str) -> Route | None:

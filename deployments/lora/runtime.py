@@ -26,7 +26,6 @@ from deployments.lora.adapters import Adapters
 logger = logging.getLogger("ray.serve")
 
 LOAD, UNLOAD = LORA_LOAD, LORA_UNLOAD
-RUNTIME_LORA_ROUTES = frozenset({LOAD, UNLOAD})
 SYNC_PERIOD_S = 1.0
 MAX_BODY_BYTES = 64 * 1024  # a name and a path
 

@@ -136,7 +136,7 @@ class ReplicaFront(Entry):
         await self._handlers[route.handler](ctx, route)
 
     def _route_handlers(self) -> dict[str, Callable[[RequestContext, Route], Awaitable[None]]]:
-        """This entry's handler of each route of the table (http/routes.HANDLERS)."""
+        """This entry's handler of each route of the table (the names http/routes.route_of gives)."""
 
         async def health(ctx: RequestContext, _) -> None:
             await send_plain(ctx.send, 503 if self.engine.dead() else 200)
