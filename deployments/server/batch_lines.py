@@ -4,8 +4,8 @@ checks the body, its `OpenAIServingCompletion` / `OpenAIServingChat` answers, no
 in-process call does not answer with a 200 (a body vLLM refuses, an error, an adapter's or another model's line, a
 disaggregated model) runs through the replica's front and vLLM's HTTP app instead, answered exactly as online.
 
-Lines take a slot of the replica's BatchShare (deployments/batch/share.py): all the engine while no online request
-runs here, `busy_share` of its sequences while one does."""
+Lines take a slot of the replica's BatchShare (deployments/batch/share.py): all the engine's sequences while no online
+request runs here, `busy_share` of them while one does; the rest wait here."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class BatchLines:
         disaggregated)."""
         self._engine_app, self._front_app, self._max_num_seqs = engine_app, _as_batch_line(front), max_num_seqs
         self._in_process, self.share = in_process, share
+        share.idle_lines = max_num_seqs  # lines beyond the engine's sequences wait here, not in vLLM's queue
 
     async def run(self, lines: list[dict], busy_share: float | None) -> AsyncIterator[LineAnswer]:
         """`lines`: [{"url", "body", "request_id"}]; each line's answer as it finishes (a caller that goes away

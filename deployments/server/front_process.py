@@ -28,10 +28,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deployments import engine
+from deployments.batch.share import OnlineBoard
 from deployments.observability import metrics
 from deployments.observability.tracing import Tracing
 from deployments.server.config import ServerConfig
-from deployments.server.front_host import FrontHost
+from deployments.server.front_host import FrontSite, build_front, start_adapter_sync
 from deployments.server.startup import serve_log_file_kept
 
 logger = logging.getLogger("ray.serve")
@@ -86,9 +87,9 @@ class FrontProcesses:
         self.failure: str | None = None
 
     @classmethod
-    async def start(cls, config: ServerConfig, model_index: int, replica_id: str, clients: list[dict]):
+    async def start(cls, config: ServerConfig, model_index: int, replica_id: str, clients: list[dict], board: str):
         """One front process per further client of the replica's engine core (`clients`), on the replica's node;
-        returns once each has its engine client and front."""
+        returns once each has its engine client and front. `board`: the replica's OnlineBoard's file."""
         context = ray.serve.get_replica_context()
         actor = ray.remote(FrontProcess).options(
             num_cpus=0,  # each runs on a core of the replica's node beside the replica (docs: front processes)
@@ -97,7 +98,8 @@ class FrontProcesses:
         )
         deployment = (context.deployment, context.app_name)
         actors = [
-            actor.remote(config, model_index, client, deployment, replica_id, len(clients) + 1) for client in clients
+            actor.remote(config, model_index, client, deployment, replica_id, len(clients) + 1, board)
+            for client in clients
         ]
         fronts = cls(actors)
         try:
@@ -167,7 +169,7 @@ class FrontProcesses:
         self.stop()
 
 
-class FrontProcess(FrontHost):
+class FrontProcess:
     """One extra front process of a replica (a Ray actor on its node): a client of the replica's engine core,
     vLLM's OpenAI app and the replica's front, served on the replica's port."""
 
@@ -179,9 +181,9 @@ class FrontProcess(FrontHost):
         deployment: tuple[str, str],
         replica_id: str,
         fronts: int,
+        board: str,
     ):
         model, source = config.models[model_index]
-        self.model, self._model, self._config, self._deployment = model.name, model, config, deployment
         # its own series in the metrics (`replica` label); its answers name the replica (x-summit-replica), whose
         # engine they ran on (a resumed stream avoids that replica)
         front_id = f"{replica_id}-front{client['client_index']}"
@@ -194,8 +196,11 @@ class FrontProcess(FrontHost):
             args = engine.serve_namespace(source, model.name, engine.engine_args(model), model.frontend_kwargs)
             self._engine_app = await engine.start_engine_client(args, client, metrics=monitoring.metrics)
         self._tracing = Tracing(monitoring.tracing)
-        self._build_front(replica_id, fronts)
-        await self._start_adapter_sync()
+        # its online requests on the replica's board: the replica's batch lines make room for them too
+        online, slot = OnlineBoard(board, fronts), client["client_index"]
+        site = FrontSite(replica_id, self._metrics, self._tracing, fronts, None, deployment, online, slot)
+        self._front = build_front(config, model, self._engine_app, site)
+        self._adapter_sync = await start_adapter_sync(self._front)
         self._metrics.start_counters()
         if monitoring.metrics:
             self._engine_metrics = metrics.EngineMetricsBridge(engine.engine_metric_samples, front_id).start()

@@ -20,6 +20,7 @@ from ray import serve
 
 from app.config import ModelConfig
 from deployments import engine
+from deployments.batch.share import OnlineBoard
 from deployments.http.asgi import stream_asgi
 from deployments.http.protocol import INTERNAL_SCOPE_KEY, HTTPRequest, ResponseStart
 from deployments.observability import metrics
@@ -27,7 +28,7 @@ from deployments.observability.slo import LatencyWindow
 from deployments.observability.tracing import Tracing
 from deployments.server.batch_lines import BatchLines, LineAnswer
 from deployments.server.config import ServerConfig
-from deployments.server.front_host import FrontHost
+from deployments.server.front_host import FrontSite, build_front, start_adapter_sync
 from deployments.server.front_process import FrontProcesses
 from deployments.server.gpu_share import ShareGroupClient, group_name
 from deployments.server.kv_events import start_kv_events
@@ -47,7 +48,7 @@ logger = logging.getLogger("ray.serve")
 RELAY_GRACE_S = 300.0
 
 
-class LLMServer(FrontHost):
+class LLMServer:
     """One replica = one AsyncLLM + vLLM's OpenAI FastAPI app bound to it, in this process (no extra port); with
     `front_processes` > 1, further clients of its engine core serve the same port from front processes
     (server/front_process.py)."""
@@ -58,6 +59,7 @@ class LLMServer(FrontHost):
         model, source = config.models[index]
         self.model, self._model, self._config = model.name, model, config
         self._dead_since: float | None = None
+        self._sleeper: Sleeper | None = None  # the engine's sleep mode (models[].sleep)
         monitoring = config.monitoring
         metrics.enable(monitoring.metrics)
         self._metrics = metrics.ReplicaMetrics(model.name, self._replica_id)
@@ -70,7 +72,12 @@ class LLMServer(FrontHost):
         if self._kv_events is not None:
             await self._kv_events.set_block_size.remote(engine.kv_block_size(self._engine_app.engine))
         self._tracing = Tracing(monitoring.tracing)
-        self._build_front(self._replica_id, model.front_processes)
+        clients = self._engine_app.clients  # the engine core's further clients: one per front process
+        self._board = OnlineBoard.create(len(clients) + 1) if clients else None
+        site = FrontSite(
+            self._replica_id, self._metrics, self._tracing, model.front_processes, self._sleeper, board=self._board
+        )
+        self._front = build_front(config, model, self._engine_app, site)
         self._batch = BatchLines(
             self._engine_app,
             self._front,
@@ -78,9 +85,10 @@ class LLMServer(FrontHost):
             lambda name: name == self.model and self._front.options.disaggregated is None,
             self._front.options.batch_share,
         )
-        await self._start_adapter_sync()
-        clients = self._engine_app.clients
-        self._fronts = await FrontProcesses.start(config, index, self._replica_id, clients) if clients else None
+        self._adapter_sync = await start_adapter_sync(self._front)
+        self._fronts = None
+        if clients:
+            self._fronts = await FrontProcesses.start(config, index, self._replica_id, clients, self._board.path)
         self._metrics.start_counters()
         if monitoring.metrics:
             self._engine_metrics = metrics.EngineMetricsBridge(engine.engine_metric_samples, self._replica_id).start()
@@ -222,9 +230,10 @@ class LLMServer(FrontHost):
     async def adapters(self) -> dict:
         """This replica's LoRA adapters: `loaded`, what Summit holds loaded (and reports to the routers), beside the
         engine's own view (deployments/engine/lora.adapters_in_engine)."""
-        if self._adapters is None:  # a model without `lora:`: its engine runs no LoRA
+        adapters = self._front.table.adapters
+        if adapters is None:  # a model without `lora:`: its engine runs no LoRA
             return {"replica_id": self._replica_id, "loaded": [], "registered": [], "in_engine": []}
-        loaded = self._adapters.loaded()
+        loaded = adapters.loaded()
         return {"replica_id": self._replica_id, "loaded": loaded, **await engine.adapters_in_engine(self._engine_app)}
 
     def recent_spans(self, trace_id: str | None = None) -> dict:
@@ -232,8 +241,9 @@ class LLMServer(FrontHost):
         return {"replica_id": self._replica_id, "model": self.model, "spans": self._tracing.recent_spans(trace_id)}
 
     def __del__(self):
-        if self._sleeper is not None:
-            self._sleeper.stop()
+        sleeper = getattr(self, "_sleeper", None)
+        if sleeper is not None:
+            sleeper.stop()
         # Without this each replica leaks its engine's shared-memory segments and sockets.
         fronts = getattr(self, "_fronts", None)
         if fronts is not None:  # their requests need the engine core, which goes with this process's client
@@ -242,6 +252,9 @@ class LLMServer(FrontHost):
         if engine_app is not None:
             engine.shutdown_engine(engine_app.engine)
             self._engine_app = None
+        board = getattr(self, "_board", None)
+        if board is not None:
+            board.remove()
         kv_events = getattr(self, "_kv_events", None)
         if kv_events is not None:
             ray.kill(kv_events)

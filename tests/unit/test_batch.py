@@ -147,12 +147,15 @@ def test_core_bounds_concurrency_retries_busy_answers_and_stops():
         groups.append([line.model for line in group])
         in_flight += len(group)
         peak = max(peak, in_flight)
+        unanswered = len(group)
         try:
             for line in group:
                 await asyncio.sleep(0.005)
                 tries[line.custom_id] = tries.get(line.custom_id, 0) + 1
                 if line.number == 3 and tries[line.custom_id] == 1:
                     raise Unavailable("replica restarting")  # c3 and the rest of its group: unanswered
+                unanswered -= 1
+                in_flight -= 1  # an answered line is out of flight
                 if line.number == 4 and tries[line.custom_id] < 3:
                     yield line, Answer(429, {"error": {}}, "r")
                 elif line.number == 5:
@@ -160,7 +163,7 @@ def test_core_bounds_concurrency_retries_busy_answers_and_stops():
                 else:
                     yield line, Answer(200, {"usage": {"completion_tokens": 2}}, "r")
         finally:
-            in_flight -= len(group)
+            in_flight -= unanswered
 
     async def on_done(line, ok, result, tokens):
         done.append((line.custom_id, ok, result["response"]["status_code"], tokens))
@@ -182,6 +185,37 @@ def test_core_bounds_concurrency_retries_busy_answers_and_stops():
 
     n = asyncio.run(run_lines(lines, send_group, on_done_then_stop, 2, 1, lambda: bool(stop), retry_s=0.001))
     assert 5 <= n < 20 and len(done) == n
+
+
+def test_a_groups_answered_lines_free_their_places_before_the_group_ends():
+    """Each group's first line is slow: it is answered only once every other line has been (the tail of a group, as a
+    long generation is). Places free line by line, so the fast lines of later groups run meanwhile, never more than
+    `concurrency` at once; refilled group by group, the slow lines would hold every place and nothing would end."""
+    lines = [Line(i, f"c{i}", URL, {"model": "m", "prompt": f"p{i:02d}"}) for i in range(12)]
+    fast_left = asyncio.Event()
+    answered, in_flight, peak = set(), 0, 0
+
+    async def send_group(group):
+        nonlocal in_flight, peak
+        in_flight += len(group)
+        peak = max(peak, in_flight)
+        slow, *fast = group
+        for line in fast:
+            await asyncio.sleep(0)
+            in_flight -= 1
+            answered.add(line.number)
+            if len(answered) == len(lines) - 4:  # all but the 4 groups' slow lines (groups of 3)
+                fast_left.set()
+            yield line, Answer(200, {"usage": {"completion_tokens": 1}}, "r")
+        await fast_left.wait()
+        in_flight -= 1
+        yield slow, Answer(200, {"usage": {"completion_tokens": 1}}, "r")
+
+    async def on_done(line, ok, result, tokens):
+        pass
+
+    n = asyncio.run(asyncio.wait_for(run_lines(lines, send_group, on_done, 6, group_size=3), 30))
+    assert n == 12 and peak <= 6
 
 
 def test_batch_share_takes_the_engine_when_idle_and_a_share_beside_online_requests():
@@ -221,6 +255,50 @@ def test_batch_share_takes_the_engine_when_idle_and_a_share_beside_online_reques
         assert share.running == 0
 
     asyncio.run(scenario())
+
+
+def test_online_requests_of_a_front_process_make_room_through_the_board():
+    """A replica with a front process: idle, batch lines take the engine's sequences (idle_lines) and the rest wait
+    here; an online request running in the front process (its own BatchShare, writing its slot of the replica's
+    board) holds the replica's lines to the busy share until it ends. Without the board the replica would not see it
+    and both waiting lines would start."""
+    from deployments.batch.share import BatchShare, OnlineBoard
+
+    async def settle():
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    async def scenario(board: OnlineBoard):
+        replica = BatchShare(quiet_s=0, idle_lines=3, board=board, slot=0)
+        front = BatchShare(quiet_s=0, board=OnlineBoard(board.path, 2), slot=1)  # as the front process opens it
+        replica.busy_lines = 1
+        held = [asyncio.Event() for _ in range(5)]
+        began = [asyncio.Event() for _ in range(5)]
+
+        async def line(i):
+            async with replica.slot():
+                began[i].set()
+                await held[i].wait()
+
+        tasks = [asyncio.create_task(line(i)) for i in range(5)]
+        await settle()
+        assert [e.is_set() for e in began] == [True, True, True, False, False]  # the engine's sequences, no more
+        front.online_started()
+        for i in range(3):
+            held[i].set()
+        await settle()
+        assert began[3].is_set() and not began[4].is_set() and replica.running == 1  # the busy share
+        front.online_ended()
+        await asyncio.wait_for(began[4].wait(), 10)  # the board says idle again: the waiting line starts
+        for e in held:
+            e.set()
+        await asyncio.gather(*tasks)
+
+    board = OnlineBoard.create(2)
+    try:
+        asyncio.run(scenario(board))
+    finally:
+        board.remove()
 
 
 def test_http_routes_answer_openai_shapes_and_wake_the_runner(tmp_path):
