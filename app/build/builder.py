@@ -27,14 +27,16 @@ from app.build.options import (
     pool_problem,
     prefill_deployment_options,
     replica_bundles,
+    replica_placement,
     route_picker_options,
     server_options,
     serving_models,
     with_app_runtime_env,
 )
-from app.build.placement import unplaceable
+from app.build.placement import PlacementPlan, parts_unplaceable, unplaceable
 from app.build.sources import check_sources
 from app.config import SummitConfig
+from app.config.env import ENGINE_OVERRIDES_ENV
 from deployments.batch.api import BatchAPI
 from deployments.batch.runner import BatchRunner
 from deployments.hops.ingress import OpenAIIngress
@@ -49,9 +51,16 @@ logger = logging.getLogger("ray.serve")
 NO_HAPROXY = "RAY_SERVE_ENABLE_HA_PROXY is not 1 where Serve runs"
 
 
-def wait_until_placeable(options: dict[str, dict[str, Any]], wait_s: float, poll_s: float = 5.0) -> None:
+def wait_until_placeable(
+    options: dict[str, dict[str, Any]],
+    wait_s: float,
+    poll_s: float = 5.0,
+    plans: dict[str, PlacementPlan] | None = None,
+) -> None:
     """Wait (up to `wait_s`) until the cluster's alive nodes could hold one replica of each model, else raise naming
-    the model and the missing resource. Serve itself would leave such a replica pending without end."""
+    the model and the missing resource. Serve itself would leave such a replica pending without end. `plans`: the
+    GPU models' placement plans, whose node parts (the GPUs that must share a node) must each find a node, as
+    `summit validate` checks them (app/plan/validate.py)."""
     import ray
 
     if not ray.is_initialized() or wait_s < 0:
@@ -62,7 +71,7 @@ def wait_until_placeable(options: dict[str, dict[str, Any]], wait_s: float, poll
         problems = [
             f"model {name!r}: one replica {why}"
             for name, opts in options.items()
-            if (why := unplaceable(*replica_bundles(opts), nodes))
+            if (why := part_problem((plans or {}).get(name), nodes) or unplaceable(*replica_bundles(opts), nodes))
         ]
         if not problems:
             return
@@ -103,6 +112,8 @@ def build_app(args: dict[str, Any]) -> Application:
     direct (the engine deployment is the HTTP ingress behind HAProxy, a route picker chooses each request's replica)
     where it can be, else one engine deployment per model behind the OpenAIIngress (two hops)."""
     config = load_config(args)
+    if os.environ.get(ENGINE_OVERRIDES_ENV):
+        logger.info("engine_kwargs of every model from %s: %s", ENGINE_OVERRIDES_ENV, os.environ[ENGINE_OVERRIDES_ENV])
     check_before_deploy(config)
     path, why = request_path(config, haproxy_enabled())
     logger.info("Summit request path: %s (%s)", path, why)
@@ -138,6 +149,12 @@ class Shared:
     registry: Application | None
 
 
+def part_problem(plan: PlacementPlan | None, nodes: list[dict]) -> str | None:
+    if plan is None:
+        return None
+    return parts_unplaceable(plan.node_parts, [n.get("GPU", 0.0) for n in nodes], plan.gpus_per_node)
+
+
 def check_before_deploy(config: SummitConfig) -> None:
     """What would fail every replica's start, failed now instead, naming the key: a KV connector this machine's vLLM
     cannot run, API keys that cannot be read, a cluster that cannot place one replica of every model, weights that
@@ -147,7 +164,8 @@ def check_before_deploy(config: SummitConfig) -> None:
         raise ValueError("; ".join(problems))
     options = {m.name: llm_deployment_options(m) for m in serving_models(config.models)}
     options.update({f"{m.name} (prefill)": prefill_deployment_options(m) for m in config.models if m.disaggregation})
-    wait_until_placeable(options, config.placement_wait_s)
+    plans = {m.name: replica_placement(m) for m in serving_models(config.models) if m.accelerator == "gpu"}
+    wait_until_placeable(options, config.placement_wait_s, plans=plans)
     check_sources(config.models)
     if config.auth is not None:
         load_api_keys(config.auth.api_keys_env, config.auth.api_keys_file)

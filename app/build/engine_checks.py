@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from app.config import SummitConfig
+from app.config.env import with_engine_overrides
 from deployments import engine
 
 
@@ -121,5 +122,6 @@ ENGINE_CONTEXT = {"engine": VllmChecks()}
 
 
 def load_config(args: dict[str, Any]) -> SummitConfig:
-    """A YAML's `args:` validated as the app is built: the schema and the installed vLLM's checks."""
-    return SummitConfig.model_validate(args, context=ENGINE_CONTEXT)
+    """A YAML's `args:` validated as the app is built: the schema and the installed vLLM's checks, with the engine
+    settings of SUMMIT_ENGINE_KWARGS over every model's (app/config/env.py)."""
+    return SummitConfig.model_validate(with_engine_overrides(args), context=ENGINE_CONTEXT)

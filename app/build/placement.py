@@ -51,6 +51,15 @@ class PlacementPlan:
     def num_nodes(self) -> int:
         return max(self.expected_nodes) + 1
 
+    @property
+    def node_parts(self) -> list[int]:
+        """The GPUs of the replica that must share a node: one part per node the plan expects (every GPU under
+        STRICT_PACK; whole TP groups under PACK, which `split_tp_groups` holds the replica to)."""
+        per_node: dict[int, float] = {}
+        for bundle, node in zip(self.bundles, self.expected_nodes):
+            per_node[node] = per_node.get(node, 0) + bundle.get("GPU", 0)
+        return [int(gpus) for gpus in per_node.values() if gpus]
+
     def tp_group(self, stage: int) -> range:
         """Bundle indices of pipeline stage `stage` (one tensor-parallel group)."""
         tp = self.tensor_parallel_size
@@ -190,6 +199,25 @@ def unplaceable(
             )
         for k, v in b.items():
             node[k] = node.get(k, 0.0) - v
+    return None
+
+
+def parts_unplaceable(parts: Sequence[int], node_gpus: Sequence[float], planned_gpus_per_node: int) -> str | None:
+    """Why one replica's node parts (PlacementPlan.node_parts) cannot each get a node of these GPU counts (first
+    fit, largest first), naming the fix; None if they can. The same rule for `summit validate` (the nodes it is told
+    of) and `serve deploy` (the live nodes)."""
+    free = list(node_gpus)
+    for size in sorted(parts, reverse=True):
+        node = next((i for i, f in enumerate(free) if f >= size), None)
+        if node is None:
+            fix = ""
+            if size > max(node_gpus, default=0):
+                fix = (
+                    f". Fix: set the model's `gpus_per_node: {_num(max(node_gpus, default=0))}` (it plans nodes of "
+                    f"{planned_gpus_per_node} GPUs), so that each replica is split over nodes of that size"
+                )
+            return f"needs {size} GPUs on one node; free GPUs per node: {[_num(f) for f in free]}{fix}"
+        free[node] -= size
     return None
 
 

@@ -128,7 +128,8 @@ class ModelConfig(Strict):
     gpus_per_node: int | None = Field(
         None,
         ge=1,
-        description="GPUs of each node this model is placed on (placement and `summit validate`); default 8.",
+        description="The node size a replica is split over (which of its GPUs share a node; default 8), not what the "
+        "cluster has: `serve deploy` and `summit validate` both refuse only a node part no node can hold.",
     )
     allow_cross_node_tp: bool = Field(
         False,

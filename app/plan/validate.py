@@ -18,7 +18,7 @@ import yaml
 
 from app.build import options as deployment_options
 from app.build.engine_checks import load_config
-from app.build.placement import PlacementPlan
+from app.build.placement import PlacementPlan, parts_unplaceable
 from app.config import ModelConfig, SummitConfig
 from app.plan import planner
 
@@ -101,13 +101,12 @@ def kv_dtype(m: ModelConfig, weights: str) -> str:
     return "fp32" if weights == "fp32" and kv == "auto" else "bf16"
 
 
-def replica_placement(m: ModelConfig, hw: Hardware) -> PlacementPlan:
-    if m.gpus_per_node is not None and m.gpus_per_node != hw.gpus_per_node:
-        raise ValueError(
-            f"gpus_per_node={m.gpus_per_node} in the YAML but the cluster checked has {hw.gpus_per_node}. "
-            f"Fix: validate with --gpus-per-node {m.gpus_per_node}, or change the model's `gpus_per_node`"
-        )
-    return deployment_options.replica_placement(m, hw.gpus_per_node)
+def replica_placement(m: ModelConfig) -> PlacementPlan:
+    """One replica's placement as `serve deploy` plans it: on nodes of the model's `gpus_per_node` (default 8), which
+    says how a replica is split over nodes, not what the cluster has; `check_cluster` then fits each node's part of
+    it onto the hardware checked, as the builder fits it onto the live nodes before deploying (wait_until_placeable).
+    """
+    return deployment_options.replica_placement(m)
 
 
 def check_memory(m: ModelConfig, hw: Hardware, env: dict[str, str]) -> tuple[str, str | None]:
@@ -177,19 +176,13 @@ def check_cluster(demands: list[tuple[str, PlacementPlan]], hw: Hardware) -> str
     who = ", ".join(f"{name} {p.num_gpus}" for name, p in demands)
     if total > have:
         return f"the models need {total} GPUs ({who}) but {hw.describe()} has {have}: short by {total - have} GPUs"
-    free = [hw.gpus_per_node] * hw.nodes
-    pieces = []
-    for name, p in demands:
-        whole, rest = divmod(p.num_gpus, hw.gpus_per_node) if p.num_nodes > 1 else (0, p.num_gpus)
-        pieces += [(hw.gpus_per_node, name)] * whole + ([(rest, name)] if rest else [])
-    for size, name in sorted(pieces, key=lambda x: -x[0]):
-        node = next((i for i, f in enumerate(free) if f >= size), None)
-        if node is None:
-            return (
-                f"{name}: a group of {size} GPUs on one node has no room left on {hw.describe()} "
-                f"(free per node: {free}): short by {size - max(free)} GPUs on one node"
-            )
-        free[node] -= size
+    free = [float(hw.gpus_per_node)] * hw.nodes
+    for name, p in sorted(demands, key=lambda d: -max(d[1].node_parts)):
+        why = parts_unplaceable(p.node_parts, free, p.gpus_per_node)
+        if why is not None:
+            return f"{name}: one replica {why} ({hw.describe()}, after the replicas listed before it)"
+        for size in sorted(p.node_parts, reverse=True):  # as parts_unplaceable fitted them
+            free[next(i for i, f in enumerate(free) if f >= size)] -= size
     return None
 
 
@@ -199,7 +192,7 @@ def validate_doc(doc: dict, hw: Hardware, env: dict[str, str] | None = None) -> 
     for app_name, config in summit_applications(doc):
         for label, m in ((label, m) for model in config.models for label, m in deployment_options.engine_pools(model)):
             try:
-                plan = replica_placement(m, hw)
+                plan = replica_placement(m)
             except ValueError as e:
                 report.problems.append(f"model {label!r} (application {app_name}): {e}")
                 continue

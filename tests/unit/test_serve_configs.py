@@ -12,6 +12,7 @@ from app.build.engine_checks import load_config
 from app.cli import main
 from app.config import SummitConfig
 from app.plan.validate import Hardware, validate_doc, validate_file
+from tests.unit.test_config import _FakeRay
 
 CONFIGS = Path(__file__).parents[2] / "serve_configs"
 GPU_CONFIGS = {  # file → the hardware it is written for: (gpu, gpus per node, nodes)
@@ -51,7 +52,8 @@ def test_gpu_configs_use_token_auth_an_env_var_path_and_a_preset(name):
     model = app["args"]["models"][0]
     assert model["source"].startswith("${LLAMA") and ":-/models/" in model["source"]
     assert model["model_preset"].startswith("llama-3.1-") and model["accelerator"] == "gpu"
-    assert "load_format: dummy" in (CONFIGS / name).read_text()  # the switch to dummy weights is documented
+    # the switch to dummy weights is documented, as the environment override
+    assert 'SUMMIT_ENGINE_KWARGS=\'{"load_format": "dummy"}\'' in (CONFIGS / name).read_text()
 
 
 @pytest.mark.parametrize(("name", "hardware"), sorted(GPU_CONFIGS.items()))
@@ -139,7 +141,43 @@ def test_replicas_are_packed_node_by_node():
     doc = with_model(load("llama70b.yaml"), deployment={"num_replicas": 3}, gpus_per_node=None)
     assert validate_doc(doc, Hardware("h100-80gb", 8, 2), env={}).ok
     report = validate_doc(doc, Hardware("h100-80gb", 6, 2), env={})  # 4 + 4 + 4 GPUs on two 6-GPU nodes
-    assert any("group of 4 GPUs on one node" in p for p in report.problems)
+    assert any("one replica needs 4 GPUs on one node" in p for p in report.problems)
+
+
+@pytest.mark.parametrize(
+    "changes, nodes, fits",
+    [
+        ({}, [4], True),  # the shipped 70B file (gpus_per_node 8, TP 4) on one four-GPU node
+        ({"tensor_parallel_size": 8}, [4, 4], False),  # TP 8 must share a node: no node has 8
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, [4, 4], False),  # planned for 8-GPU nodes
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2, "gpus_per_node": 4}, [4, 4], True),
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2, "gpus_per_node": 4}, [8], True),
+        ({"tensor_parallel_size": 8, "pipeline_parallel_size": 2}, [4, 4, 4, 4], False),  # PACK: TP groups of 8
+        ({"tensor_parallel_size": 8, "pipeline_parallel_size": 2}, [8, 8], True),
+    ],
+)
+def test_validate_and_deploy_agree_on_what_fits_the_nodes(monkeypatch, changes, nodes, fits):
+    """`gpus_per_node` says how Summit splits a replica over nodes, not what the cluster has: `summit validate
+    --gpus-per-node N` and `serve deploy` (the builder's check of the live nodes) accept and refuse the same files on
+    the same nodes, and a refusal names the key to set."""
+    import sys
+
+    from app.build import builder
+
+    doc = with_model(load("llama70b.yaml"), **changes)
+    report = validate_doc(doc, Hardware("h200-141gb", nodes[0], len(nodes)), env={})
+    placement = [p for p in report.problems if "on one node" in p]
+    assert not placement if fits else placement, report.problems
+    config = SummitConfig.model_validate({**doc["applications"][0]["args"], "placement_wait_s": 0})  # no waiting
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay([{"GPU": float(g), "CPU": 64.0} for g in nodes]))
+    monkeypatch.setattr(builder, "check_sources", lambda models: None)
+    if fits:
+        builder.check_before_deploy(config)
+    else:
+        with pytest.raises(ValueError, match="on one node") as e:
+            builder.check_before_deploy(config)
+        fix = f"Fix: set the model's `gpus_per_node: {max(nodes)}`"  # every part refused here is larger than a node
+        assert fix in str(e.value) and fix in placement[0]
 
 
 def test_tp_across_nodes_is_refused_by_placement():
@@ -182,3 +220,19 @@ def test_summit_validate_cli_rejects_bad_args(capsys, tmp_path):
     bad.write_text(yaml.safe_dump(with_model(load("llama8b.yaml"), tensor_parallel=2)))
     assert main(["validate", str(bad), "--gpu", "h100-80gb", "--nodes", "1"]) == 1
     assert "tensor_parallel" in capsys.readouterr().err
+
+
+def test_engine_settings_from_the_environment_go_over_every_models(monkeypatch):
+    """SUMMIT_ENGINE_KWARGS (a JSON object) is put over each model's engine_kwargs where the app is built, so that a
+    shipped file runs with random weights (load_format: dummy) without an edited copy; bad values name the variable."""
+    from app.build.engine_checks import load_config
+
+    args = load("llama70b.yaml")["applications"][0]["args"]
+    assert "load_format" not in load_config(args).models[0].engine_kwargs
+    monkeypatch.setenv("SUMMIT_ENGINE_KWARGS", '{"load_format": "dummy", "max_model_len": 8192}')
+    kwargs = load_config(args).models[0].engine_kwargs
+    assert kwargs["load_format"] == "dummy" and kwargs["max_model_len"] == 8192 and kwargs["max_num_seqs"] == 256
+    for bad in ("load_format=dummy", '["dummy"]'):
+        monkeypatch.setenv("SUMMIT_ENGINE_KWARGS", bad)
+        with pytest.raises(ValueError, match="SUMMIT_ENGINE_KWARGS"):
+            load_config(args)
