@@ -109,17 +109,23 @@ def bench_api(ns, model_dir: str, lines: list[dict]) -> list[dict]:
                     break
                 time.sleep(0.2)
             ended = ("completed", "failed", "expired", "cancelled")
+            progress = []  # (seconds since create, lines completed), about one a second
             while (b := client.batches.retrieve(batch.id)).status not in ended:
+                done_now = b.request_counts.completed if b.request_counts else 0
+                if not progress or time.monotonic() - t0 - progress[-1][0] >= 1:
+                    progress.append((round(time.monotonic() - t0, 1), done_now))
                 time.sleep(0.2)
             wall = time.monotonic() - t0
             out = client.files.content(b.output_file_id).content.decode().splitlines() if b.output_file_id else []
             tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in out)
             peer = "summit-batch-api" + ("+online" if online_load else "")
             summary = row(peer, ns.batch_concurrency, tokens, wall, completed=len(out), failed=b.request_counts.failed)
+            summary["progress"] = progress
             return summary, during, done_during
 
-        # the batch alone (its throughput), then again with the online load while it runs (online TTFT)
-        rows.append(run_batch(False)[0])
+        # the batch alone (its throughput; --rounds times, the median kept), then again with the online load while
+        # it runs (online TTFT)
+        rows.append(median_row([run_batch(False)[0] for _ in range(ns.rounds)]))
         with_online, during, done_during = run_batch(True)
         rows.append(with_online)
         rows.append(online_row("online-16", alone))
@@ -130,6 +136,11 @@ def bench_api(ns, model_dir: str, lines: list[dict]) -> list[dict]:
 
 
 def bench_offline(ns, model_dir: str, lines: list[dict], ray_data: bool = False) -> list[dict]:
+    """`summit batch` (each round its own start: the command deploys, runs and stops)."""
+    return [median_row([offline_round(ns, model_dir, lines, ray_data)[0] for _ in range(ns.offline_rounds)])]
+
+
+def offline_round(ns, model_dir: str, lines: list[dict], ray_data: bool) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-batch-"))
     infile, out = tmp / "in.jsonl", tmp / "out.jsonl"
     infile.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -183,18 +194,19 @@ lines = [json.loads(x) for x in open({str(ns._in)!r})]
 llm = LLM(model={model_dir!r}, **json.loads({json.dumps(json.dumps(generate_kwargs(ns)))}))
 params = SamplingParams(max_tokens={ns.max_tokens}, temperature=0, ignore_eos=True)
 llm.generate([x["body"]["prompt"] for x in lines[:8]], params, use_tqdm=False)
-t0 = time.monotonic()
-outs = llm.generate([x["body"]["prompt"] for x in lines], params, use_tqdm=False)
-wall = time.monotonic() - t0
-print("BENCH_RESULT " + json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "wall": wall}}),
-      flush=True)
+for _ in range({ns.rounds}):
+    t0 = time.monotonic()
+    outs = llm.generate([x["body"]["prompt"] for x in lines], params, use_tqdm=False)
+    wall = time.monotonic() - t0
+    print("BENCH_RESULT " + json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "wall": wall}}),
+          flush=True)
 """
     env = loopback_env({"RAY_AUTH_MODE": "disabled", **bench_env(ns)})
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])
-    result = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("BENCH_RESULT "))[13:])
-    return [row("vllm-generate", ns.lines, result["tokens"], result["wall"])]
+    results = [json.loads(x[13:]) for x in run.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
+    return [median_row([row("vllm-generate", ns.lines, r["tokens"], r["wall"]) for r in results])]
 
 
 def bench_env(ns) -> dict[str, str]:
@@ -225,6 +237,12 @@ def row(peer: str, concurrency: int, tokens: int, wall: float, **extra) -> dict:
         "seconds": round(wall, 2),
         **extra,
     }
+
+
+def median_row(rounds: list[dict]) -> dict:
+    """The round with the median tok/s, every round's tok/s beside it (`rounds`)."""
+    ordered = sorted(rounds, key=lambda r: r["out_tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds": [r["out_tok_s"] for r in rounds]}
 
 
 def online_row(peer: str, r: LoadResult, **extra) -> dict:
@@ -262,6 +280,8 @@ def main() -> None:
     p.add_argument("--online-requests", type=int, default=64)
     p.add_argument("--online-max-tokens", type=int, default=16)
     p.add_argument("--only", choices=["api", "offline", "ray-data", "generate"], nargs="+", default=None)
+    p.add_argument("--rounds", type=int, default=1, help="runs of LLM.generate and of the Batch API alone (median)")
+    p.add_argument("--offline-rounds", type=int, default=1, help="runs of `summit batch` (each starts the app)")
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     from app.clusters.tiny_model import make_tiny_model

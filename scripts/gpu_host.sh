@@ -16,7 +16,8 @@
 #                                          # PEER = summit-pd | summit-agg | vllm-pd (bench/pd.py), 8/32/128 streams,
 #                                          # ~2k-token prompts, 256 out
 #   bash scripts/gpu_host.sh batch PEER... # one GPU, 8B shapes: bench/batch.py, PEER = api | offline | generate
-#                                          # (2,000 lines, 64 out, 256 in flight; online: 256 requests, 16 streams)
+#                                          # (2,000 lines, 64 out, BATCH_CONC (256) in flight, ROUNDS (1) runs of
+#                                          # generate and of the API alone; online: 256 requests, 16 streams)
 #   bash scripts/gpu_host.sh moncost N     # one GPU, 8B shapes: round N of Summit's monitoring off vs on
 #   bash scripts/gpu_host.sh migration     # one GPU: stream migration's checks on vLLM 0.26 (tests/*/test_migration.py)
 #   bash scripts/gpu_host.sh quickstart    # one GPU: docs/getting-started/quickstart-gpu.md as typed (8B shapes)
@@ -122,9 +123,10 @@ pd|pd1)
   grep -rl mnnvl /tmp/summit-ray-* /tmp/bench-pd-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 batch)
   shift
+  conc=${BATCH_CONC:-256} tag="$(IFS=-; echo "$*")-$conc"
   python3 bench/batch.py --model-dir "$model8b" --accelerator gpu --load-format dummy --max-num-seqs 256 \
-    --batch-concurrency 256 --offline-concurrency 256 --max-tokens 64 --online-requests 256 --only "$@" \
-    --json "$out/gpu-batch-$(IFS=-; echo "$*").json" 2>&1 | tee "$out/gpu-batch-$(IFS=-; echo "$*").log"
+    --batch-concurrency "$conc" --offline-concurrency "$conc" --max-tokens 64 --online-requests 256 --only "$@" \
+    --rounds "${ROUNDS:-1}" --json "$out/gpu-batch-$tag.json" 2>&1 | tee "$out/gpu-batch-$tag.log"
   grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 moncost)
   # one round of monitoring off vs on (bench/serve_overhead.py --monitoring-cost) at 256 streams; a call per round
