@@ -126,7 +126,7 @@ batch)
   conc=${BATCH_CONC:-256} tag="$(IFS=-; echo "$*")-$conc"
   python3 bench/batch.py --model-dir "$model8b" --accelerator gpu --load-format dummy --max-num-seqs 256 \
     --batch-concurrency "$conc" --offline-concurrency "$conc" --max-tokens 64 --online-requests 256 --only "$@" \
-    --rounds "${ROUNDS:-1}" --json "$out/gpu-batch-$tag.json" 2>&1 | tee "$out/gpu-batch-$tag.log"
+    --rounds "${ROUNDS:-1}" --offline-rounds "${OFFLINE_ROUNDS:-1}" --json "$out/gpu-batch-$tag.json" 2>&1 | tee "$out/gpu-batch-$tag.log"
   grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 moncost)
   # one round of monitoring off vs on (bench/serve_overhead.py --monitoring-cost) at 256 streams; a call per round

@@ -22,10 +22,11 @@ class BatchOptions(BaseModel):
         "clusters, so that a new head node finds them).",
     )
     max_concurrency: int = Field(
-        16,
+        512,
         ge=1,
-        description="Batch lines in flight at once (per application). Without priority scheduling this is the "
-        "share of the engines batch work may take from online traffic.",
+        description="Batch lines in flight at once (per application); about twice the engines' sequences (max_num_seqs "
+        "× replicas) keeps them full: each replica runs at most its engine's sequences of them and holds the rest, so "
+        "online requests never queue behind batch lines in vLLM.",
     )
     group_size: int = Field(
         16,
