@@ -28,7 +28,7 @@ def _make_tiny_lora(ns: argparse.Namespace) -> int:
 def _make_model_config(ns: argparse.Namespace) -> int:
     from app.clusters.tiny_model import make_model_config
 
-    print(make_model_config(ns.preset, ns.dir))
+    print(make_model_config(ns.preset, ns.dir, fp8=ns.fp8))
     return 0
 
 
@@ -237,6 +237,12 @@ def _add_model_commands(sub) -> None:
     p = sub.add_parser("make-model-config", help="write a real-shape config.json + tokenizer (for load_format: dummy)")
     p.add_argument("preset", help="llama-3.1-8b | llama-3.1-70b | llama-3.1-405b (or 8b, 70b, 405b)")
     p.add_argument("dir", help="where to write config.json and the tokenizer")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="declare FP8 weights (an FP8 checkpoint's quantization_config: vLLM allocates them in FP8, as 405B on "
+        "four H200s needs)",
+    )
     p.set_defaults(func=_make_model_config)
 
 

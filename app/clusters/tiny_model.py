@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.config.presets import get_preset
+from app.config.presets import FP8_QUANTIZATION_CONFIG, get_preset
 
 BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
@@ -233,12 +233,15 @@ def make_tiny_model(
     return out
 
 
-def make_model_config(preset: str, out_dir: str | Path) -> Path:
-    """Write a real-shape config.json and a tokenizer whose vocabulary has the model's `vocab_size`.
+def make_model_config(preset: str, out_dir: str | Path, fp8: bool = False) -> Path:
+    """Write a real-shape config.json and a tokenizer whose vocabulary has the model's `vocab_size`; `fp8`: with the
+    quantization_config of an FP8 checkpoint (vLLM then allocates FP8 weights directly).
 
     For vLLM's `load_format: dummy`: no weights are written.
     """
     cfg = get_preset(preset)
+    if fp8:
+        cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()

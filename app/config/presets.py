@@ -49,6 +49,16 @@ PRESETS: dict[str, dict] = {
         "num_attention_heads": 128,
         "num_hidden_layers": 126,
     },
+    # the 405B as an FP8 checkpoint declares itself (a quantization_config: vLLM allocates FP8 weights as it builds the
+    # model, 95.5 GiB a GPU at TP 4; a bf16 checkpoint with `quantization: fp8` is allocated in bf16 first)
+    "llama-3.1-405b-fp8": {
+        **_LLAMA31_COMMON,
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_attention_heads": 128,
+        "num_hidden_layers": 126,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    },
     # a draft model for the 8B/70B/405B (same tokenizer and vocabulary): speculative decoding's `draft_model`
     "llama-3.2-1b": {
         **_LLAMA31_COMMON,
@@ -82,6 +92,8 @@ PRESETS: dict[str, dict] = {
 }
 
 ALIASES = {"8b": "llama-3.1-8b", "70b": "llama-3.1-70b", "405b": "llama-3.1-405b"}
+# what `summit make-model-config --fp8` adds to a preset: an FP8 checkpoint's own declaration
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
 
 
 def get_preset(name: str) -> dict:

@@ -24,7 +24,7 @@ WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int4": 0.5, "fp32": 4.0}
 KV_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 # Total memory as nvidia-smi reports it (MiB).
 GPUS_MIB = {"h100-80gb": 81559, "h200-141gb": 143771, "a100-40gb": 40960, "a100-80gb": 81920}
-NOMINAL_PARAMS = {"llama-3.1-8b": 8e9, "llama-3.1-70b": 70e9, "llama-3.1-405b": 405e9}
+NOMINAL_PARAMS = {"llama-3.1-8b": 8e9, "llama-3.1-70b": 70e9, "llama-3.1-405b": 405e9, "llama-3.1-405b-fp8": 405e9}
 DEFAULT_GPU_UTIL = 0.9
 FIXED_OVERHEAD = int(1.5 * GiB)
 MAX_PIPELINE = 64

@@ -22,6 +22,7 @@ GPU_CONFIGS = {  # file → the hardware it is written for: (gpu, gpus per node,
     "llama405b-fp8.yaml": ("h100-80gb", 8, 1),
     "llama8b-fp8.yaml": ("h100-80gb", 8, 1),
     "llama70b-fp8.yaml": ("h100-80gb", 8, 1),
+    "llama405b-fp8-4gpu.yaml": ("h200-141gb", 4, 1),
 }
 
 
@@ -72,8 +73,11 @@ def test_intended_layouts():
         "llama405b-fp8.yaml": (8, 1),
         "llama8b-fp8.yaml": (1, 1),
         "llama70b-fp8.yaml": (2, 1),
+        "llama405b-fp8-4gpu.yaml": (4, 1),
     }
-    assert all(m[n].engine_kwargs["quantization"] == "fp8" for n in GPU_CONFIGS if "fp8" in n)
+    # vLLM quantizes bf16 checkpoints as it loads them; the 4-GPU file runs an FP8 checkpoint, which declares itself
+    assert all(m[n].engine_kwargs["quantization"] == "fp8" for n in GPU_CONFIGS if "fp8" in n and "4gpu" not in n)
+    assert "quantization" not in m["llama405b-fp8-4gpu.yaml"].engine_kwargs
     assert [n for n in GPU_CONFIGS if m[n].engine_kwargs.get("kv_cache_dtype") == "fp8"] == [
         "llama8b-fp8.yaml",
         "llama70b-fp8.yaml",
@@ -236,3 +240,44 @@ def test_engine_settings_from_the_environment_go_over_every_models(monkeypatch):
         monkeypatch.setenv("SUMMIT_ENGINE_KWARGS", bad)
         with pytest.raises(ValueError, match="SUMMIT_ENGINE_KWARGS"):
             load_config(args)
+
+
+def test_405b_fp8_on_four_gpus_fits_h200s_not_h100s_at_tp4_and_at_tp2_pp2():
+    """The FP8 checkpoint's shapes (the preset, as `summit make-model-config llama-3.1-405b --fp8` writes them): 95.5
+    GiB of FP8 weights a GPU at TP 4 fit four H200s and not four H100s (the shortfall named); TP 2 x PP 2 on the same
+    node fits too. Without the checkpoint's quantization_config (a bf16 405B) nothing fits four H200s."""
+    from app.clusters.tiny_model import make_model_config  # noqa: F401 — the --fp8 option's target
+    from app.config.presets import FP8_QUANTIZATION_CONFIG, get_preset
+
+    doc = load("llama405b-fp8-4gpu.yaml")
+    report = validate_doc(doc, Hardware("h200-141gb", 4, 1), env={})
+    assert report.ok and "fp8 weights 95.5 GiB" in report.lines[0], report.lines
+    assert validate_doc(
+        with_model(doc, tensor_parallel_size=2, pipeline_parallel_size=2), Hardware("h200-141gb", 4, 1), env={}
+    ).ok
+    (problem,) = validate_doc(doc, Hardware("h100-80gb", 4, 1), env={}).problems
+    assert "short by" in problem and "GiB per GPU" in problem
+    assert not validate_doc(with_model(doc, model_preset="llama-3.1-405b"), Hardware("h200-141gb", 4, 1), env={}).ok
+    assert get_preset("llama-3.1-405b-fp8") == {
+        **get_preset("llama-3.1-405b"),
+        "quantization_config": FP8_QUANTIZATION_CONFIG,
+    }
+
+
+def test_the_slurm_recipe_for_405b_fp8_at_tp8_pp2_validates_and_sizes_two_nodes(tmp_path, capsys):
+    """docs/deployment/slurm.md's recipe, as written there: the fp8 file with two pipeline stages validates for two
+    8-GPU H100 nodes and `summit sbatch` asks SLURM for two nodes."""
+    doc = (Path(__file__).parents[2] / "docs/deployment/slurm.md").read_text()
+    assert "sed 's/pipeline_parallel_size: 1/pipeline_parallel_size: 2/' serve_configs/llama405b-fp8.yaml" in doc
+    text = (
+        (CONFIGS / "llama405b-fp8.yaml").read_text().replace("pipeline_parallel_size: 1", "pipeline_parallel_size: 2")
+    )
+    path = tmp_path / "llama405b-fp8-pp2.yaml"
+    path.write_text(text)
+    args = ["--gpu", "h100-80gb", "--gpus-per-node", "8"]
+    assert main(["validate", str(path), *args, "--nodes", "2"]) == 0
+    assert "TP 8 × PP 2" in capsys.readouterr().out
+    assert main(["validate", str(path), *args, "--nodes", "1"]) == 1  # one node is short by 8 GPUs
+    out = tmp_path / "job.sbatch"
+    assert main(["sbatch", str(path), "--gpus-per-node", "8", "--time", "24:00:00", "-o", str(out)]) == 0
+    assert "#SBATCH --nodes=2" in out.read_text()
