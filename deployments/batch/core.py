@@ -53,79 +53,93 @@ async def run_lines(
     leave the others' places empty). A line answered with a retry status, or not answered by a group call that failed
     (Unavailable), runs again after a back-off. Stops starting lines once `stopped()` is true (lines in flight finish;
     lines waiting to be retried never ran). The number of lines finished."""
-    pending = collections.deque(grouped(lines))
-    size = max(1, min(group_size, concurrency))
-    in_flight = retrying = finished = 0
-    delay = retry_s
-    changed = asyncio.Event()
+    flight = _Flight(lines, send_group, done, stopped, retry_s, max_retry_s)
+    return await flight.run(concurrency, max(1, min(group_size, concurrency)))
 
-    async def send(group: list[Line]) -> None:
-        nonlocal in_flight, retrying, finished, delay
+
+class _Flight:
+    """run_lines' state: the lines waiting, in flight and waiting to be retried, and the group calls running."""
+
+    def __init__(self, lines, send_group: SendGroup, done: Done, stopped, retry_s: float, max_retry_s: float):
+        self.pending = collections.deque(grouped(lines))
+        self.send_group, self.done, self.stopped = send_group, done, stopped
+        self.retry_s, self.max_retry_s, self.delay = retry_s, max_retry_s, retry_s
+        self.in_flight = self.retrying = self.finished = 0
+        self.changed = asyncio.Event()
+        self.errors: list[BaseException] = []
+        self.tasks: set[asyncio.Task] = set()
+
+    async def run(self, concurrency: int, size: int) -> int:
+        try:
+            while not self.errors and not self.stopped() and (self.pending or self.in_flight or self.retrying):
+                while self.pending and concurrency - self.in_flight >= min(size, len(self.pending)):
+                    self._start(self._next_group(min(size, concurrency - self.in_flight)))
+                self.changed.clear()
+                await self.changed.wait()
+            if self.tasks and not self.errors:  # stopped: the lines in flight finish
+                await asyncio.gather(*self.tasks)
+            if self.errors:
+                raise self.errors[0]
+        finally:
+            for task in self.tasks:
+                task.cancel()
+        return self.finished
+
+    def _next_group(self, room: int) -> list[Line]:
+        group = [self.pending.popleft()]
+        while self.pending and len(group) < room and self.pending[0].model == group[0].model:
+            group.append(self.pending.popleft())
+        return group
+
+    def _start(self, group: list[Line]) -> None:
+        self.in_flight += len(group)
+        task = asyncio.create_task(self._guarded(group))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _guarded(self, group: list[Line]) -> None:
+        try:
+            await self._send(group)
+        except Exception as e:  # noqa: BLE001 — raised by run(), which cancels the other groups
+            self.errors.append(e)
+            self.changed.set()
+
+    async def _send(self, group: list[Line]) -> None:
         unanswered = {id(line): line for line in group}
         again: list[Line] = []
         why = ""
         try:
-            async for line, answer in send_group(group):
+            async for line, answer in self.send_group(group):
                 if unanswered.pop(id(line), None) is None:
                     continue
-                in_flight -= 1
-                changed.set()
+                self.in_flight -= 1
+                self.changed.set()
                 if answer.status in RETRY_STATUSES:
                     again.append(line)
                     why = f"status {answer.status}"
                     continue
                 ok = 200 <= answer.status < 300
                 tokens = ((answer.body or {}).get("usage") or {}).get("completion_tokens", 0) if ok else 0
-                await done(line, ok, result_line(line, answer.status, answer.body, answer.request_id), tokens)
-                finished += 1
+                await self.done(line, ok, result_line(line, answer.status, answer.body, answer.request_id), tokens)
+                self.finished += 1
         except Unavailable as e:
             why = str(e)
         finally:
-            in_flight -= len(unanswered)
-            changed.set()
+            self.in_flight -= len(unanswered)
+            self.changed.set()
         again += unanswered.values()
         if not again:
-            delay = retry_s
-            return
-        if stopped():
-            return
-        logger.info("batch: %d lines (first: %s): %s; retried in %.1f s", len(again), again[0].number, why, delay)
-        retrying += len(again)
+            self.delay = self.retry_s
+        elif not self.stopped():
+            await self._retry(again, why)
+
+    async def _retry(self, again: list[Line], why: str) -> None:
+        logger.info("batch: %d lines (first: %s): %s; retried in %.1f s", len(again), again[0].number, why, self.delay)
+        self.retrying += len(again)
         try:
-            wait, delay = delay * (0.5 + random.random()), min(max_retry_s, delay * 2)
+            wait, self.delay = self.delay * (0.5 + random.random()), min(self.max_retry_s, self.delay * 2)
             await asyncio.sleep(wait)
-            pending.extendleft(reversed(again))
+            self.pending.extendleft(reversed(again))
         finally:
-            retrying -= len(again)
-            changed.set()
-
-    errors: list[BaseException] = []
-    tasks: set[asyncio.Task] = set()
-
-    async def guarded(group: list[Line]) -> None:
-        try:
-            await send(group)
-        except Exception as e:  # noqa: BLE001 — raised by run_lines, which cancels the other groups
-            errors.append(e)
-            changed.set()
-
-    try:
-        while not errors and not stopped() and (pending or in_flight or retrying):
-            while pending and concurrency - in_flight >= min(size, len(pending)):
-                group, room = [pending.popleft()], min(size, concurrency - in_flight)
-                while pending and len(group) < room and pending[0].model == group[0].model:
-                    group.append(pending.popleft())
-                in_flight += len(group)
-                task = asyncio.create_task(guarded(group))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            changed.clear()
-            await changed.wait()
-        if tasks and not errors:  # stopped: the lines in flight finish
-            await asyncio.gather(*tasks)
-        if errors:
-            raise errors[0]
-    finally:
-        for task in tasks:
-            task.cancel()
-    return finished
+            self.retrying -= len(again)
+            self.changed.set()
