@@ -152,7 +152,7 @@ class Shared:
 def part_problem(plan: PlacementPlan | None, nodes: list[dict]) -> str | None:
     if plan is None:
         return None
-    return parts_unplaceable(plan.node_parts, [n.get("GPU", 0.0) for n in nodes], plan.gpus_per_node)
+    return parts_unplaceable(plan, [n.get("GPU", 0.0) for n in nodes])
 
 
 def check_before_deploy(config: SummitConfig) -> None:

@@ -202,19 +202,26 @@ def unplaceable(
     return None
 
 
-def parts_unplaceable(parts: Sequence[int], node_gpus: Sequence[float], planned_gpus_per_node: int) -> str | None:
+def parts_unplaceable(plan: PlacementPlan, node_gpus: Sequence[float]) -> str | None:
     """Why one replica's node parts (PlacementPlan.node_parts) cannot each get a node of these GPU counts (first
     fit, largest first), naming the fix; None if they can. The same rule for `summit validate` (the nodes it is told
     of) and `serve deploy` (the live nodes)."""
-    free = list(node_gpus)
-    for size in sorted(parts, reverse=True):
+    free, largest = list(node_gpus), max(node_gpus, default=0)
+    tp = plan.tensor_parallel_size
+    for size in sorted(plan.node_parts, reverse=True):
         node = next((i for i, f in enumerate(free) if f >= size), None)
         if node is None:
             fix = ""
-            if size > max(node_gpus, default=0):
+            if size > largest and tp <= largest:
                 fix = (
-                    f". Fix: set the model's `gpus_per_node: {_num(max(node_gpus, default=0))}` (it plans nodes of "
-                    f"{planned_gpus_per_node} GPUs), so that each replica is split over nodes of that size"
+                    f". Fix: set the model's `gpus_per_node: {_num(largest)}` (it plans nodes of "
+                    f"{plan.gpus_per_node} GPUs), so that each replica is split over nodes of that size"
+                )
+            elif size > largest:
+                fix = (
+                    f". Fix: a tensor-parallel group ({tp} GPUs) must share one node and no node has {tp}: lower "
+                    f"tensor_parallel_size to {_num(largest)} or less (pipeline_parallel_size for the rest), or add "
+                    f"nodes of {tp} GPUs"
                 )
             return f"needs {size} GPUs on one node; free GPUs per node: {[_num(f) for f in free]}{fix}"
         free[node] -= size

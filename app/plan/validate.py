@@ -178,7 +178,7 @@ def check_cluster(demands: list[tuple[str, PlacementPlan]], hw: Hardware) -> str
         return f"the models need {total} GPUs ({who}) but {hw.describe()} has {have}: short by {total - have} GPUs"
     free = [float(hw.gpus_per_node)] * hw.nodes
     for name, p in sorted(demands, key=lambda d: -max(d[1].node_parts)):
-        why = parts_unplaceable(p.node_parts, free, p.gpus_per_node)
+        why = parts_unplaceable(p, free)
         if why is not None:
             return f"{name}: one replica {why} ({hw.describe()}, after the replicas listed before it)"
         for size in sorted(p.node_parts, reverse=True):  # as parts_unplaceable fitted them

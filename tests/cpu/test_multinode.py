@@ -147,8 +147,8 @@ def test_a_replica_no_node_can_hold_fails_naming_the_resource(two_nodes, tiny_mo
     with pytest.raises(DeployFailed) as failed:
         cluster.serve_deploy(app_config([model], placement_wait_s=2), timeout_s=300)
     message = str(failed.value)
-    assert "model 'tiny-tp2'" in message and "on one node (STRICT_PACK)" in message, message
-    assert "GPU: the largest node has 1" in message and "placement_wait_s" in message, message
+    assert "model 'tiny-tp2'" in message and "needs 2 GPUs on one node" in message, message
+    assert "lower tensor_parallel_size to 1" in message and "placement_wait_s" in message, message
 
 
 def test_weights_that_are_not_there_fail_the_deploy_before_any_replica_starts(two_nodes, tiny_model_dir, tmp_path):

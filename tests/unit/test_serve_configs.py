@@ -180,8 +180,10 @@ def test_validate_and_deploy_agree_on_what_fits_the_nodes(monkeypatch, changes, 
     else:
         with pytest.raises(ValueError, match="on one node") as e:
             builder.check_before_deploy(config)
-        fix = f"Fix: set the model's `gpus_per_node: {max(nodes)}`"  # every part refused here is larger than a node
-        assert fix in str(e.value) and fix in placement[0]
+        # every part refused here is larger than any node: split it over nodes, or (a TP group) make it smaller
+        tp = changes.get("tensor_parallel_size", 4)
+        fix = f"gpus_per_node: {max(nodes)}`" if tp <= max(nodes) else f"lower tensor_parallel_size to {max(nodes)}"
+        assert fix in str(e.value) and fix in placement[0], (str(e.value), placement)
 
 
 def test_tp_across_nodes_is_refused_by_placement():
