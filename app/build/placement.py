@@ -202,10 +202,11 @@ def unplaceable(
     return None
 
 
-def parts_unplaceable(plan: PlacementPlan, node_gpus: Sequence[float]) -> str | None:
-    """Why one replica's node parts (PlacementPlan.node_parts) cannot each get a node of these GPU counts (first
-    fit, largest first), naming the fix; None if they can. The same rule for `summit validate` (the nodes it is told
-    of) and `serve deploy` (the live nodes)."""
+def parts_unplaceable(plan: PlacementPlan, node_gpus: Sequence[float] | list[float]) -> str | None:
+    """Why one replica's node parts (PlacementPlan.node_parts) cannot each get a node of these free GPU counts (first
+    fit, largest first), naming the fix; None if they can, and then the GPUs they took are taken from `node_gpus` (a
+    list: `summit validate` packs replica after replica into it). The same rule for `summit validate` (the nodes it
+    is told of) and `serve deploy` (the live nodes)."""
     free, largest = list(node_gpus), max(node_gpus, default=0)
     tp = plan.tensor_parallel_size
     for size in sorted(plan.node_parts, reverse=True):
@@ -225,6 +226,8 @@ def parts_unplaceable(plan: PlacementPlan, node_gpus: Sequence[float]) -> str | 
                 )
             return f"needs {size} GPUs on one node; free GPUs per node: {[_num(f) for f in free]}{fix}"
         free[node] -= size
+    if isinstance(node_gpus, list):
+        node_gpus[:] = free
     return None
 
 

@@ -181,8 +181,6 @@ def check_cluster(demands: list[tuple[str, PlacementPlan]], hw: Hardware) -> str
         why = parts_unplaceable(p, free)
         if why is not None:
             return f"{name}: one replica {why} ({hw.describe()}, after the replicas listed before it)"
-        for size in sorted(p.node_parts, reverse=True):  # as parts_unplaceable fitted them
-            free[next(i for i, f in enumerate(free) if f >= size)] -= size
     return None
 
 

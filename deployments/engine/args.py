@@ -281,7 +281,8 @@ def serve_namespace(source: str, served_name: str, engine_kwargs: dict, frontend
     parser = _serve_parser()
     args = parser.parse_args([])
     types = {a.dest: a.type for a in parser._actions if callable(a.type)}
-    engine_kwargs = online_fp8(engine_kwargs, source, _quantization_methods())
+    if engine_kwargs.get("quantization") == "fp8":  # vLLM's method list is read only where it matters
+        engine_kwargs = online_fp8(engine_kwargs, source, _quantization_methods())
     for key, value in {**frontend_kwargs, **engine_kwargs}.items():
         if isinstance(value, dict) and key in types:
             try:
