@@ -57,6 +57,8 @@ MODEL = "bench-model"
 
 
 def model_names(ns: argparse.Namespace) -> list[str]:
+    if getattr(ns, "served", None):  # bench/flagship.py: the YAML's model
+        return [ns.served]
     return [MODEL] if ns.models == 1 else [f"{MODEL}-{k}" for k in range(ns.models)]
 
 
@@ -150,8 +152,11 @@ def run_loads(
         )
     )
     results = []
-    for c in ns.concurrency:
+    per_level = getattr(ns, "requests_per_level", None)  # bench/flagship.py: a count per concurrency level
+    for i, c in enumerate(ns.concurrency):
         n = ns.requests if ns.requests_per_stream is None else max(8, c * ns.requests_per_stream)
+        if per_level:
+            n = per_level[i]
         prompts = make_prompts(n, ns.prompt_words, distinct=getattr(ns, "distinct_prompts", False))
         before = [tree_cpu_s(pid) for pid in server_pids]
         with profiled(ns, server_pids, f"c{c}"):

@@ -23,6 +23,10 @@
 #   bash scripts/gpu_host.sh quickstart    # one GPU: docs/getting-started/quickstart-gpu.md as typed (8B shapes)
 #   bash scripts/gpu_host.sh features      # one GPU, 8B shapes: the fp8 config vs bf16 vs bf16 + draft model
 #                                          # (bench/engine_features.py; VARIANTS="bf16 fp8" for a subset)
+#   bash scripts/gpu_host.sh flagship PEER CONFIG PRESET PATHVAR  # four GPUs: a shipped 70B / 405B YAML as a user
+#                                          # deploys it vs `vllm serve` with its engine settings (bench/flagship.py),
+#                                          # one peer a call; e.g. flagship summit serve_configs/llama70b.yaml
+#                                          # llama-3.1-70b LLAMA70B_PATH (CHECKS=1 ROUND=1 ROUNDS_HERE=1)
 #   bash scripts/gpu_host.sh sleep SCENARIO [ARGS]  # one GPU, 8B shapes: bench/sleep_swap.py, SCENARIO = sleep
 #                                          # (wake vs cold start, memory asleep / awake; ARGS e.g. --levels 1 2)
 #                                          # | swap (two models share_with on the one GPU, A A B B rounds)
@@ -185,6 +189,22 @@ PY
     grep -rh "Summit request path" /tmp/summit-ray-qs/session_latest/logs | tail -1 || true
     serve shutdown -y
   ) 2>&1 | tee "$out/quickstart.log" ;;
+flagship)
+  # bench/flagship.py: PEER (summit | vllm) of CONFIG (a shipped YAML) with PRESET's shapes in the directory that
+  # PATHVAR names (dummy weights through the documented override SUMMIT_ENGINE_KWARGS; FP8=1: an FP8 checkpoint's
+  # shapes), ~1k-token prompts (330 words), 256 out, CONC (1 32 256) with REQS requests (4 64 256); ROUND numbers this start's
+  # first round, ROUNDS_HERE rounds run on it, CHECKS=1 runs the OpenAI checks (tests/served) first
+  peer=${2:?usage: gpu_host.sh flagship summit|vllm CONFIG PRESET PATHVAR} config=${3:?} preset=${4:?} pathvar=${5:?}
+  shapes=/tmp/summit-shapes-$preset${FP8:+-fp8}
+  [ -f "$shapes/config.json" ] || python3 -m app.cli make-model-config "$preset" "$shapes" ${FP8:+--fp8} >/dev/null
+  export "$pathvar=$shapes" SUMMIT_ENGINE_KWARGS=${SUMMIT_ENGINE_KWARGS:-'{"load_format": "dummy"}'}
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+  tag=$(basename "$config" .yaml)-$peer-r${ROUND:-1}
+  # shellcheck disable=SC2086 # word splitting wanted: lists of levels
+  python3 bench/flagship.py run "$peer" "$config" --round "${ROUND:-1}" --rounds-here "${ROUNDS_HERE:-1}" \
+    ${CHECKS:+--checks} --concurrency ${CONC:-1 32 256} --requests-per-level ${REQS:-4 64 256} --prompt-words 330 \
+    --max-tokens 256 --client-procs 8 --logs "$out/logs-$tag" --json "$out/$tag.json" 2>&1 | tee "$out/$tag.log"
+  grep -rli mnnvl "$out/logs-$tag" 2>/dev/null | tee "$out/mnnvl-hits-$tag.txt" ;;
 sleep)
   scenario=${2:-sleep}
   shift 2 2>/dev/null || shift

@@ -5,29 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cpu.test_errors import (  # noqa: F401 - collected here with this directory's fixtures
-    test_invalid_parameters_are_400,
-    test_malformed_body_is_400,
-    test_prompt_longer_than_max_model_len_is_400,
-    test_unknown_model_is_404_listing_known,
-)
-from tests.cpu.test_openai_api import (  # noqa: F401
-    test_32_concurrent_streams_complete,
-    test_chat_completion,
-    test_chat_stream_with_usage,
-    test_completion_logprobs_with_echo,
-    test_completion_max_tokens_in_usage,
-    test_completion_stream,
-    test_min_tokens_holds_back_a_stop_token,
-    test_n_choices,
-    test_penalties_change_what_is_repeated,
-    test_prompt_logprobs_and_top_logprobs,
-    test_request_id_returned,
-    test_seed_reproducible,
-    test_stop_string_ends_the_output,
-    test_tokenize_detokenize_round_trip,
-    test_top_k_and_min_p_narrow_the_sampling,
-)
+from tests.openai_checks import *  # noqa: F403 - the OpenAI checks, collected here with this directory's fixtures
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="8B shapes run on the second GPU")
 
