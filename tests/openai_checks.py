@@ -5,6 +5,7 @@ them in the importing module, where its `summit` and `client` fixtures apply."""
 from tests.cpu.test_errors import (
     test_invalid_parameters_are_400,
     test_malformed_body_is_400,
+    test_max_tokens_beyond_the_context_is_400,
     test_prompt_longer_than_max_model_len_is_400,
     test_unknown_model_is_404_listing_known,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "test_completion_stream",
     "test_invalid_parameters_are_400",
     "test_malformed_body_is_400",
+    "test_max_tokens_beyond_the_context_is_400",
     "test_min_tokens_holds_back_a_stop_token",
     "test_n_choices",
     "test_penalties_change_what_is_repeated",

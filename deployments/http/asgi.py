@@ -49,13 +49,24 @@ async def stream_asgi(app, request: HTTPRequest, coalesce_s: float = 0.0) -> Asy
     finally:
         disconnected.set()
         if not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:  # the app's own cancellation; the consumer is gone
-                pass
-            except Exception:  # nobody is left to answer, but the error must not vanish
-                logger.exception("the ASGI app failed while its request was being cancelled")
+            await end_after_disconnect(task)
+
+
+# How long an app whose client went may take to end by itself before it is cancelled from outside
+DISCONNECT_GRACE_S = 5.0
+
+
+async def end_after_disconnect(task: asyncio.Task, grace_s: float = DISCONNECT_GRACE_S) -> None:
+    """Let an ASGI app whose `receive()` now says `http.disconnect` end by itself; cancel it after `grace_s`.
+    vLLM's non-stream routes watch for the disconnect in a task of their own, which then cancels their handler and so
+    aborts the engine request (vLLM's `with_cancellation`). Cancelling the app from outside first interrupts that
+    watcher's caller and leaves the handler running: the request generated its whole max_tokens for nobody."""
+    done, _ = await asyncio.wait({task}, timeout=grace_s)
+    if not done:
+        task.cancel()
+        await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is not None:  # nobody is left to answer; the error must not vanish
+        logger.error("the ASGI app failed while its request was being cancelled", exc_info=task.exception())
 
 
 async def _responses(queue: asyncio.Queue, coalesce_s: float) -> AsyncIterator[ResponseStart | bytes]:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import uuid
 
+from deployments.http.asgi import end_after_disconnect
 from deployments.http.errors import OpenAIError, openai_error_bytes, request_problem, structured_output_problem
 from deployments.http.protocol import HOP_HEADERS, REPLICA_HEADER, REQUEST_ID_HEADER, header, without
 from deployments.pipeline.context import RequestContext
@@ -30,7 +31,7 @@ class EngineCall:
         self.front, self.ctx = front, ctx
         self.engine, self.options = front.engine, front.options
         self.resume = ctx.resume  # a stream that goes on elsewhere if this engine dies
-        self.body_given = self.answered = False
+        self.body_given = self.answered = self.gone = False
         self.error: dict | None = None  # a non-stream error response, buffered to reshape it
         self.stream: Coalescer | None = None  # a streamed (SSE) answer
         self.client_id = ctx.client_request_id.decode()
@@ -41,12 +42,18 @@ class EngineCall:
             (REQUEST_ID_HEADER, ctx.client_request_id + b"-" + uuid.uuid4().hex[:8].encode()),
             (b"content-length", str(len(ctx.body)).encode()),
         ]
+        # vLLM's app in a task of its own: when the caller goes, Serve cancels this one (direct path; the two-hop path
+        # cancels the bridge's), and the app ends by itself once `receive` says http.disconnect, aborting the engine
+        # request (asgi.end_after_disconnect says why a cancellation must not reach it first)
+        app = asyncio.ensure_future(self.engine.app({**ctx.scope, "headers": headers}, self.receive, self.send))
         try:
-            await self.engine.app({**ctx.scope, "headers": headers}, self.receive, self.send)
+            await asyncio.shield(app)
             if self.resume is not None and self.resume.failed:  # vLLM ended the stream with an error event
                 await self._resume_elsewhere()
-        except asyncio.CancelledError:  # the two-hop path cancels the app when its caller goes
+        except asyncio.CancelledError:
             self._cancelled()
+            if not app.done():
+                await end_after_disconnect(app)
             raise
         except Exception as e:
             if not self.answered:
@@ -72,6 +79,7 @@ class EngineCall:
         return message
 
     def _cancelled(self) -> None:
+        self.gone = True  # what the app sends from now on has no one to reach
         if not self.answered:
             self.answered = True  # once
             logger.info("request %s cancelled by its caller: aborting it in the engine", self.client_id)
@@ -79,6 +87,8 @@ class EngineCall:
                 self.ctx.watch.end(aborted=True)
 
     async def send(self, message: dict) -> None:
+        if self.gone:
+            return
         if message["type"] == "http.response.start":
             await self._start(message)
         elif message["type"] == "http.response.body":
