@@ -17,7 +17,7 @@ modules. Each module imports vLLM inside its functions, so importing the package
 
 # vLLM's default batch size: the schema holds it (the schema imports no engine)
 from app.config import DEFAULT_MAX_NUM_SEQS
-from deployments.engine.app import EngineApp, start_engine_app, start_engine_client, vllm_post_routes
+from deployments.engine.app import EngineApp, preload_client, start_engine_app, start_engine_client, vllm_post_routes
 from deployments.engine.args import (
     CPU_QUANTIZATION,
     NO_NVLINK_MULTICAST_ENV,
@@ -70,6 +70,9 @@ __all__ = [
     "NO_NVLINK_MULTICAST_ENV",
     "RESERVED_ENGINE_KEYS",
     "EngineApp",
+    "adapters_in_engine",
+    "answer_in_process",
+    "background_response",
     "check_engine_health",
     "check_gpu_engine_kwargs",
     "connector_engine_kwargs",
@@ -85,28 +88,26 @@ __all__ = [
     "generation_tokens",
     "kv_block_size",
     "kv_cache_usage",
-    "latency_buckets",
     "kv_connector",
     "kv_connector_names",
     "kv_transfer_config",
-    "adapters_in_engine",
-    "answer_in_process",
-    "background_response",
+    "latency_buckets",
     "load_adapter",
-    "mark_engine_dead",
     "logger",
+    "mark_engine_dead",
     "num_unfinished_requests",
     "output_detokenizer",
+    "preload_client",
     "serve_namespace",
     "shutdown_engine",
-    "stores_responses",
     "sleep_engine",
     "start_engine_app",
     "start_engine_client",
-    "vllm_post_routes",
+    "stores_responses",
     "tool_parser",
     "tool_parser_names",
     "unload_adapter",
+    "vllm_post_routes",
     "vllm_version",
     "wake_engine",
 ]

@@ -72,6 +72,17 @@ async def start_engine_client(args: Namespace, client: dict, metrics: bool = Tru
     return EngineApp(engine=engine, app=await _openai_app(engine, args))
 
 
+def preload_client() -> None:
+    """Import what `start_engine_client` runs (vLLM's engine client, its OpenAI app and `vllm serve`'s parser), so that
+    a process started beside the engine has them by the time the engine takes clients."""
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+
+    from deployments.engine.args import _serve_parser
+
+    _serve_parser()
+
+
 def _client(args: Namespace, client: dict, metrics: bool):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext

@@ -78,8 +78,9 @@ async def serve_http_options():
 
 
 class FrontProcesses:
-    """The replica's side: starts its front processes with it (each ready, its engine client connected, before the
-    replica is), has them listen on its port once Serve does, checks they live, drains them."""
+    """The replica's side: starts its front processes as its engine starts (`spawn`), makes each a client of it
+    before the replica is ready (`attach`), has them listen on its port once Serve does, checks they live, drains
+    them."""
 
     def __init__(self, actors: list):
         self.actors = actors
@@ -87,27 +88,35 @@ class FrontProcesses:
         self.failure: str | None = None
 
     @classmethod
-    async def start(cls, config: ServerConfig, model_index: int, replica_id: str, clients: list[dict], board: str):
-        """One front process per further client of the replica's engine core (`clients`), on the replica's node;
-        returns once each has its engine client and front. `board`: the replica's OnlineBoard's file."""
-        context = ray.serve.get_replica_context()
+    def spawn(cls, count: int) -> FrontProcesses:
+        """`count` front processes on the replica's node, started before its engine so that their start (a Ray worker,
+        torch's and vLLM's imports: ~30 s on a GPU node) runs while the engine loads; `attach` makes them fronts."""
         actor = ray.remote(FrontProcess).options(
             num_cpus=0,  # each runs on a core of the replica's node beside the replica (docs: front processes)
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         )
+        return cls([actor.remote() for _ in range(count)])
+
+    async def attach(self, config: ServerConfig, model_index: int, replica_id: str, clients: list[dict], board: str):
+        """Each front process a client of the replica's engine core (`clients`, one each) with its front; returns
+        once each has them. `board`: the replica's OnlineBoard's file. Stops them all if one fails."""
+        context = ray.serve.get_replica_context()
         deployment = (context.deployment, context.app_name)
-        actors = [
-            actor.remote(config, model_index, client, deployment, replica_id, len(clients) + 1, board)
-            for client in clients
-        ]
-        fronts = cls(actors)
+        fronts = len(clients) + 1
         try:
-            await asyncio.wait_for(asyncio.gather(*(a.stats.remote() for a in actors)), READY_WAIT_S)
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        a.attach.remote(config, model_index, client, deployment, replica_id, fronts, board)
+                        for a, client in zip(self.actors, clients, strict=True)
+                    )
+                ),
+                READY_WAIT_S,
+            )
         except BaseException:
-            fronts.stop()
+            self.stop()
             raise
-        return fronts
 
     def listen_when_serving(self) -> None:
         """Once Serve's HTTP server of this replica listens, the front processes listen on its port too."""
@@ -173,7 +182,16 @@ class FrontProcess:
     """One extra front process of a replica (a Ray actor on its node): a client of the replica's engine core,
     vLLM's OpenAI app and the replica's front, served on the replica's port."""
 
-    async def __init__(
+    def __init__(self):
+        """Started beside the replica's engine: what its engine client will need is imported meanwhile."""
+        self._engine_app = None
+        self._server = None
+        self._draining = False
+        self._running = 0
+        with serve_log_file_kept():  # vLLM's imports configure logging
+            engine.preload_client()
+
+    async def attach(
         self,
         config: ServerConfig,
         model_index: int,
@@ -182,7 +200,9 @@ class FrontProcess:
         replica_id: str,
         fronts: int,
         board: str,
-    ):
+    ) -> None:
+        """A client of the replica's engine core (`client`: where it connects), vLLM's OpenAI app on it and the
+        replica's front; `fronts`: the replica's processes in all, `board` its OnlineBoard's file."""
         model, source = config.models[model_index]
         # its own series in the metrics (`replica` label); its answers name the replica (x-summit-replica), whose
         # engine they ran on (a resumed stream avoids that replica)
@@ -204,9 +224,6 @@ class FrontProcess:
         self._metrics.start_counters()
         if monitoring.metrics:
             self._engine_metrics = metrics.EngineMetricsBridge(engine.engine_metric_samples, front_id).start()
-        self._server = None
-        self._draining = False
-        self._running = 0
 
     async def serve(self, host: str, port: int, http_options) -> int:
         """Listen on the replica's port (SO_REUSEPORT) as Serve serves the replica: uvicorn with Serve's HTTP options

@@ -68,7 +68,14 @@ class LLMServer:
         kv_sockets = None
         if model.routing.policy == "kv_cache":
             self._kv_events, kv_sockets = await start_kv_events(replica_full_id())
-        self._engine_app = await self._start_sleeping_engine(model, source, kv_sockets)
+        # the front processes start beside the engine (their imports meanwhile), and become its clients after it
+        self._fronts = FrontProcesses.spawn(model.front_processes - 1) if model.front_processes > 1 else None
+        try:
+            self._engine_app = await self._start_sleeping_engine(model, source, kv_sockets)
+        except BaseException:
+            if self._fronts is not None:
+                self._fronts.stop()
+            raise
         if self._kv_events is not None:
             await self._kv_events.set_block_size.remote(engine.kv_block_size(self._engine_app.engine))
         self._tracing = Tracing(monitoring.tracing)
@@ -86,9 +93,8 @@ class LLMServer:
             self._front.options.batch_share,
         )
         self._adapter_sync = await start_adapter_sync(self._front)
-        self._fronts = None
-        if clients:
-            self._fronts = await FrontProcesses.start(config, index, self._replica_id, clients, self._board.path)
+        if self._fronts is not None:
+            await self._fronts.attach(config, index, self._replica_id, clients, self._board.path)
         self._metrics.start_counters()
         if monitoring.metrics:
             self._engine_metrics = metrics.EngineMetricsBridge(engine.engine_metric_samples, self._replica_id).start()
