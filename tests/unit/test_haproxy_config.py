@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from app.clusters.haproxy import openai_answers, real_haproxy  # noqa: E402
+from app.clusters.haproxy import openai_answers, real_haproxy, without_splicing  # noqa: E402
 
 # A config Serve 2.60 wrote (the shipped tiny app behind HAProxy), its run directory made a placeholder; and the
 # ingress request router's failure answer, which Serve writes only when an app has a route picker.
@@ -44,7 +44,7 @@ def _rewritten(tmp_path: Path) -> str:
     config = config.replace(
         "    default_backend default_backend\n", ROUTER_FAILURE + "    default_backend default_backend\n"
     )
-    return openai_answers(config, tmp_path / "answers")
+    return without_splicing(openai_answers(config, tmp_path / "answers"))
 
 
 def test_haproxys_own_answers_become_openai_errors(tmp_path):
@@ -81,3 +81,12 @@ def test_the_rewritten_config_is_valid_for_haproxy(tmp_path):
     path.write_text(_rewritten(tmp_path))
     check = subprocess.run([binary, "-c", "-f", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_serves_kernel_splicing_is_dropped_and_nothing_else(tmp_path):
+    """Serve's splice options lose client closes (app/clusters/haproxy.py); every other line stays."""
+    config = SERVE_HAPROXY_CFG.replace("@RUN@", str(tmp_path))
+    kept = without_splicing(config)
+    assert "option splice-request" in config and "option splice-response" in config  # the premise: Serve sets them
+    assert "splice" not in kept
+    assert [line for line in config.splitlines() if "splice" not in line] == kept.splitlines()
