@@ -71,7 +71,7 @@ def _plan(ns: argparse.Namespace) -> int:
         if ns.throughput:
             from app.plan import throughput
 
-            work = throughput.Workload(ns.concurrency, ns.prompt_tokens, ns.output_tokens)
+            work = throughput.Workload(ns.concurrency, ns.prompt_tokens, ns.output_tokens, ns.prefix_hit)
             gpus = ns.gpus or ns.gpus_per_node
             options = throughput.compare_layouts(
                 shape, ns.gpu, gpus, work, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget
@@ -163,6 +163,12 @@ def _add_sizing_commands(sub) -> None:
     p.add_argument("--concurrency", type=int, default=256, help="--throughput: streams in flight, all replicas")
     p.add_argument("--prompt-tokens", type=int, default=128, help="--throughput: prompt length")
     p.add_argument("--output-tokens", type=int, default=256, help="--throughput: tokens generated per request")
+    p.add_argument(
+        "--prefix-hit",
+        type=float,
+        default=0.0,
+        help="--throughput: share of prompt tokens already in the prefix cache (shared system prompts, chat turns)",
+    )
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("validate", help="refuse a Serve YAML whose models cannot fit the given GPUs and nodes")

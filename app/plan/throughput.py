@@ -1,12 +1,14 @@
 """Throughput planning (pure): for a number of GPUs, which replicas × TP layout serves more tokens/s.
 
 A decode step of one replica (TP t, batch b; prompts of P tokens, O tokens out, so a sequence holds P + O/2 tokens
-of KV on average and each output token carries P/O prompt tokens of prefill):
+of KV on average and each output token carries P(1 − h)/O prompt tokens of prefill, h the share of prompt tokens found
+in the prefix cache: 0 by default, near 1 where prompts share long prefixes, as chat turns and system prompts do):
 
     step = max(memory, compute) + all-reduce + host
     memory    = (weights + b × (P + O/2) × KV bytes per token) / t / (HBM bandwidth × BW_EFFICIENCY)
-    compute   = 2 × active parameters × b × (1 + P/O) / t / (bf16 FLOP/s × FLOP_EFFICIENCY)
-    all-reduce (t > 1) = 2 per layer × (ALLREDUCE_LATENCY + 2 (t−1)/t × b (1 + P/O) × hidden × 2 B / NVLink bandwidth)
+    compute   = 2 × active parameters × b × (1 + P(1 − h)/O) / t / (bf16 FLOP/s × FLOP_EFFICIENCY)
+    all-reduce (t > 1) = 2 per layer × (ALLREDUCE_LATENCY + 2 (t−1)/t × b (1 + P(1 − h)/O) × hidden × 2 B / NVLink
+                         bandwidth)
     host      = STEP_OVERHEAD + SEQ_OVERHEAD × b      (scheduling, sampling, detokenizing: one process per replica)
 
 b = min(concurrency / replicas, max_num_seqs, sequences the replica's KV cache holds); tokens/s = replicas × b / step.
@@ -50,6 +52,13 @@ class Workload:
     concurrency: int = 256
     prompt_tokens: int = 128
     output_tokens: int = 256
+    # share of prompt tokens the prefix cache already holds (not prefilled again): 70B TP 4 on 4 x H200 with prompts
+    # that share their text (bench/results/h200x4-70b-2026-11-28.md) ran 3.5x what h = 0 predicts at 256 streams
+    prefix_hit: float = 0.0
+
+    def __post_init__(self):
+        if not 0 <= self.prefix_hit < 1:
+            raise ValueError(f"--prefix-hit {self.prefix_hit}: a share from 0 (no prompt token cached) up to below 1")
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ def estimate(
         return None
     kv_sequences = int(kv_room // (one_token.kv * per_seq_tokens))
     batch = min(work.concurrency / replicas, budget.max_num_seqs, kv_sequences)
-    prefill = 1 + work.prompt_tokens / work.output_tokens
+    prefill = 1 + work.prompt_tokens * (1 - work.prefix_hit) / work.output_tokens
     memory = (weight_bytes(shape, dtype) + batch * per_seq_tokens * shape.kv_bytes_per_token(kv_dtype)) / tp
     memory_s = memory / (hbm * BW_EFFICIENCY)
     compute_s = 2 * shape.active_params * batch * prefill / tp / (flops * FLOP_EFFICIENCY)
@@ -137,7 +146,9 @@ def compare_layouts(
 def format_comparison(shape: ModelShape, gpu: str, gpus: int, work: Workload, options: list[LayoutEstimate]) -> str:
     head = (
         f"{shape.name} on {gpus} × {gpu}: {work.concurrency} streams, {work.prompt_tokens}-token prompts, "
-        f"{work.output_tokens} tokens out (roofline estimate: app/plan/throughput.py)"
+        f"{work.output_tokens} tokens out"
+        + (f", {work.prefix_hit:.0%} of prompt tokens in the prefix cache" if work.prefix_hit else "")
+        + " (roofline estimate: app/plan/throughput.py)"
     )
     if not options:
         return head + "\nno layout fits: see `summit plan` for the GPUs this model needs"

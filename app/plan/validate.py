@@ -126,9 +126,12 @@ def check_memory(m: ModelConfig, hw: Hardware, env: dict[str, str]) -> tuple[str
     )
     tp, pp = m.tensor_parallel_size, m.pipeline_parallel_size
     use = planner.per_gpu(shape, dtype, kv, tokens, tp, pp, budget)
+    # what vLLM reports at start as its "GPU KV cache size: N tokens": the room the weights leave, in tokens
+    kv_tokens = max(0, use.room - use.weights) // planner.per_gpu(shape, dtype, kv, 1, tp, pp, budget).kv
     line = (
         f"{m.name}: TP {tp} × PP {pp}, {dtype} weights {use.weights / planner.GiB:.1f} GiB + {kv} KV "
-        f"{use.kv / planner.GiB:.1f} GiB (max_model_len {tokens:,}) of {use.room / planner.GiB:.1f} GiB per GPU"
+        f"{use.kv / planner.GiB:.1f} GiB (max_model_len {tokens:,}) of {use.room / planner.GiB:.1f} GiB per GPU; "
+        f"KV cache room for {int(kv_tokens):,} tokens"
     )
     if use.shortfall == 0:
         return line, None

@@ -55,3 +55,18 @@ def test_summit_plan_throughput_prints_the_comparison():
     assert out.returncode == 0, out.stderr
     assert "2 × TP 1" in out.stdout and "1 × TP 2" in out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("best: 2 × TP 1 (")
+
+
+def test_prompts_found_in_the_prefix_cache_are_not_prefilled_again():
+    """A 70B at TP 4 on 4 x H200, ~1k-token prompts of which 94 % were in the prefix cache (16 distinct prompt texts
+    over 256 streams): measured 8,465-8,536 tok/s, Summit and vLLM alike (bench/results/h200x4-70b-2026-11-28.md);
+    with every prompt token prefilled the estimate was 2,407. The share only removes prefill compute: one stream's
+    weight-bound step stays as it was."""
+    shape = load_shape("70b")
+    cold, cached = (estimate(shape, "h200-141gb", 1, 4, Workload(256, 1016, 256, hit)) for hit in (0.0, 0.94))
+    assert cached.compute_s < cold.compute_s / 3 and cached.memory_s == cold.memory_s
+    assert 8465 * 0.8 < cached.tokens_per_s < 8536 * 1.2 and not 8465 * 0.8 < cold.tokens_per_s
+    one = [estimate(shape, "h200-141gb", 1, 4, Workload(1, 1016, 256, hit)).step_s for hit in (0.0, 0.94)]
+    assert one[0] == pytest.approx(one[1], rel=0.05)
+    with pytest.raises(ValueError, match="prefix-hit"):
+        Workload(256, 1016, 256, 1.0)
