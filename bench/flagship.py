@@ -4,6 +4,7 @@ peer per run (a 70B or 405B start takes minutes), its ready time and its loads; 
     export LLAMA70B_PATH=DIR SUMMIT_ENGINE_KWARGS='{"load_format": "dummy"}'   # shapes: summit make-model-config
     python bench/flagship.py run summit serve_configs/llama70b.yaml --checks --json r1-summit.json
     python bench/flagship.py run vllm serve_configs/llama70b.yaml --json r1-vllm.json
+    python bench/flagship.py run summit serve_configs/llama405b-fp8-4gpu.yaml --layout 2x2 ...   # TP 2 x PP 2
     python bench/flagship.py report r*-*.json --md table.md --json merged.json
 
 `summit`: the GPU quickstart's commands (docs/getting-started/quickstart-gpu.md): `ray get-auth-token --generate`,
@@ -236,6 +237,13 @@ def run(ns: argparse.Namespace) -> None:
     Path(ns.logs).mkdir(parents=True, exist_ok=True)
     if ns.requests_per_level and len(ns.requests_per_level) != len(ns.concurrency):
         raise SystemExit("--requests-per-level: one count per --concurrency level")
+    if ns.layout:  # the YAML with another TP x PP (a copy beside the logs; both peers take it from there)
+        tp, pp = (int(x) for x in ns.layout.lower().split("x"))
+        config = yaml.safe_load(Path(ns.config).read_text())
+        model = config["applications"][0]["args"]["models"][ns.model_index]
+        model.update(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        ns.config = str(Path(ns.logs) / f"{Path(ns.config).stem}-tp{tp}-pp{pp}.yaml")
+        Path(ns.config).write_text(yaml.safe_dump(config, sort_keys=False))
     model = yaml_model(ns.config, ns.model_index)
     result = (run_summit if ns.peer == "summit" else run_vllm)(ns, model)
     # a row per round of loads: the first keeps this run's --round, later ones (--rounds-here) follow it
@@ -307,6 +315,7 @@ def main() -> None:
     r.add_argument("peer", choices=["summit", "vllm"])
     r.add_argument("config", help="the Serve YAML (its first application)")
     r.add_argument("--model-index", type=int, default=0)
+    r.add_argument("--layout", help="TPxPP, e.g. 2x2: the YAML's model at that tensor x pipeline size instead")
     r.add_argument("--round", type=int, default=1, help="the number of this run's first round (report's labels)")
     r.add_argument("--rounds-here", type=int, default=1, help="rounds of the loads on this one start")
     r.add_argument(

@@ -26,7 +26,8 @@
 #   bash scripts/gpu_host.sh flagship PEER CONFIG PRESET PATHVAR  # four GPUs: a shipped 70B / 405B YAML as a user
 #                                          # deploys it vs `vllm serve` with its engine settings (bench/flagship.py),
 #                                          # one peer a call; e.g. flagship summit serve_configs/llama70b.yaml
-#                                          # llama-3.1-70b LLAMA70B_PATH (CHECKS=1 ROUND=1 ROUNDS_HERE=1)
+#                                          # llama-3.1-70b LLAMA70B_PATH (CHECKS=1 ROUND=1 ROUNDS_HERE=1;
+#                                          # LAYOUT=2x2: the YAML at TP 2 x PP 2; FP8=1: FP8 shapes)
 #   bash scripts/gpu_host.sh sleep SCENARIO [ARGS]  # one GPU, 8B shapes: bench/sleep_swap.py, SCENARIO = sleep
 #                                          # (wake vs cold start, memory asleep / awake; ARGS e.g. --levels 1 2)
 #                                          # | swap (two models share_with on the one GPU, A A B B rounds)
@@ -193,16 +194,17 @@ flagship)
   # bench/flagship.py: PEER (summit | vllm) of CONFIG (a shipped YAML) with PRESET's shapes in the directory that
   # PATHVAR names (dummy weights through the documented override SUMMIT_ENGINE_KWARGS; FP8=1: an FP8 checkpoint's
   # shapes), ~1k-token prompts (330 words), 256 out, CONC (1 32 256) with REQS requests (4 64 256); ROUND numbers this start's
-  # first round, ROUNDS_HERE rounds run on it, CHECKS=1 runs the OpenAI checks (tests/served) first
+  # first round, ROUNDS_HERE rounds run on it, CHECKS=1 runs the OpenAI checks (tests/served) first, LAYOUT=TPxPP
+  # deploys the YAML at that layout instead (both peers)
   peer=${2:?usage: gpu_host.sh flagship summit|vllm CONFIG PRESET PATHVAR} config=${3:?} preset=${4:?} pathvar=${5:?}
   shapes=/tmp/summit-shapes-$preset${FP8:+-fp8}
   [ -f "$shapes/config.json" ] || python3 -m app.cli make-model-config "$preset" "$shapes" ${FP8:+--fp8} >/dev/null
   export "$pathvar=$shapes" SUMMIT_ENGINE_KWARGS=${SUMMIT_ENGINE_KWARGS:-'{"load_format": "dummy"}'}
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
-  tag=$(basename "$config" .yaml)-$peer-r${ROUND:-1}
+  tag=$(basename "$config" .yaml)${LAYOUT:+-$LAYOUT}-$peer-r${ROUND:-1}
   # shellcheck disable=SC2086 # word splitting wanted: lists of levels
   python3 bench/flagship.py run "$peer" "$config" --round "${ROUND:-1}" --rounds-here "${ROUNDS_HERE:-1}" \
-    ${CHECKS:+--checks} --concurrency ${CONC:-1 32 256} --requests-per-level ${REQS:-4 64 256} --prompt-words 330 \
+    ${CHECKS:+--checks} ${LAYOUT:+--layout "$LAYOUT"} --concurrency ${CONC:-1 32 256} --requests-per-level ${REQS:-4 64 256} --prompt-words 330 \
     --max-tokens 256 --client-procs 8 --logs "$out/logs-$tag" --json "$out/$tag.json" 2>&1 | tee "$out/$tag.log"
   grep -rli mnnvl "$out/logs-$tag" 2>/dev/null | tee "$out/mnnvl-hits-$tag.txt" ;;
 sleep)
