@@ -14,5 +14,15 @@ ruff check app deployments tests bench scripts
 ruff format --check app deployments tests bench scripts
 lint-imports
 wait "$packages"
-exec python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=40 \
-  -n "${SUMMIT_TEST_WORKERS:-3}" --dist loadscope --no-loadscope-reorder "$@"
+# each module's time, from pytest's JUnit XML in the run's own temp dir (SUMMIT_TEST_JUNIT to keep it elsewhere),
+# summarised at the end; `python scripts/suite_times.py FILE --order tests/module_order.json` turns it into the
+# slowest-first order the next runs start modules in (tests/conftest.py)
+junit=${SUMMIT_TEST_JUNIT:-$(mktemp -d "${TMPDIR:-/tmp}/summit-tests.XXXXXX")/junit.xml}
+status=0
+python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=40 --junitxml="$junit" \
+  -n "${SUMMIT_TEST_WORKERS:-3}" --dist loadscope --no-loadscope-reorder "$@" || status=$?
+if [ -s "$junit" ]; then
+  echo "slowest modules (all: python scripts/suite_times.py $junit):"
+  python scripts/suite_times.py "$junit" --top 15
+fi
+exit "$status"

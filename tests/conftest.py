@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 # Tests run on loopback with auth off, whatever the developer's shell says (see FACTS: token auth turns itself on).
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -46,21 +48,10 @@ SESSION_APP_MODULES = {
 }
 _LAST_SESSION_TEST = pytest.StashKey[bool]()
 
-# The modules that take longest (scripts/suite_times.py on a fresh-clone run) start first, so that the test command's
-# workers (pytest-xdist) finish together; the order changes nothing else.
-SLOWEST_FIRST = [
-    "test_slurm",
-    "test_faults",
-    "test_routing_engine",
-    "test_disaggregation",
-    "test_batch_offline",
-    "test_multinode",
-    "test_launcher",
-    "test_scaling",
-    "test_engine_features",
-    "test_monitoring",
-    "test_serve_command",
-]
+# The modules that take longest start first, so that the test command's workers (pytest-xdist) finish together; the
+# order changes nothing else. It comes from a fresh-clone run's JUnit XML (scripts/test.sh writes one under the run's
+# temp dir; `python scripts/suite_times.py RUN.xml --order tests/module_order.json` rewrites the file).
+SLOWEST_FIRST = json.loads((Path(__file__).parent / "module_order.json").read_text())["slowest_first"]
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -81,7 +72,7 @@ def pytest_collection_modifyitems(session, config, items):
     rest = [m for m in modules if m not in uses]
 
     def rank(module) -> int:
-        name = module.__name__.removeprefix("tests.cpu.")
+        name = module.__name__.removeprefix("tests.").replace(".", "/")
         return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
     rest.sort(key=rank)  # stable: the others keep their collection order

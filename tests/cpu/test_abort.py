@@ -150,31 +150,28 @@ def test_client_disconnect_aborts_engine_request(client, engine_stats, summit):
 
 def test_a_client_that_gives_up_on_an_answer_aborts_it_too(engine_stats, summit):
     """No stream: the client closes its connection while the engine generates (a read timeout, Ctrl-C), and the engine
-    request is aborted, each of three times. Serve's direct ingress cancels the request's task, which left vLLM's own
-    disconnect watcher's handler generating all its max_tokens for nobody (on a 70B, a max_tokens of 100,000 held an
-    engine slot for twenty minutes; deployments/http/asgi.py end_after_disconnect). The throttled engine cannot finish
-    a request while the test waits: only an abort ends it. (HAProxy's half of the story, kernel splicing, is measured
-    by bench/dropped_requests.py: this raw client does not trigger it.)"""
+    request is aborted. Serve's direct ingress cancels the request's task, which left vLLM's own disconnect watcher's
+    handler generating all its max_tokens for nobody (on a 70B, a max_tokens of 100,000 held an engine slot for twenty
+    minutes; deployments/http/asgi.py end_after_disconnect). The throttled engine cannot finish the request while the
+    test waits: only an abort ends it. (HAProxy's half of the story, kernel splicing, is measured by
+    bench/dropped_requests.py: this raw client does not trigger it.)"""
+    assert wait_for(lambda: engine_unfinished(engine_stats) == 0, 60)
+    generated_before = engine_generated(engine_stats)
+    watch = EngineWatch(engine_stats)
+    dropped_id = f"abort-answer-{time.time_ns()}"
+    body = json.dumps({"model": MODEL, "prompt": "Dropped", "max_tokens": DROPPED_TOKENS, "ignore_eos": True})
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: summit\r\ncontent-type: application/json\r\n"
+        f"x-request-id: {dropped_id}\r\ncontent-length: {len(body)}\r\n\r\n{body}"
+    ).encode()
     url = urlparse(summit.base_url)
-    for attempt in range(3):
-        assert wait_for(lambda: engine_unfinished(engine_stats) == 0, 60)
-        generated_before = engine_generated(engine_stats)
-        watch = EngineWatch(engine_stats)
-        dropped_id = f"abort-answer-{attempt}-{time.time_ns()}"
-        body = json.dumps(
-            {"model": MODEL, "prompt": f"Dropped {attempt}", "max_tokens": DROPPED_TOKENS, "ignore_eos": True}
-        )
-        request = (
-            f"POST /v1/completions HTTP/1.1\r\nhost: summit\r\ncontent-type: application/json\r\n"
-            f"x-request-id: {dropped_id}\r\ncontent-length: {len(body)}\r\n\r\n{body}"
-        ).encode()
-        with Throttle(model_engine_cores(summit, MODEL)):
-            with socket.create_connection((url.hostname, url.port)) as client:
-                client.sendall(request)
-                assert watch.reaches(1, 120), f"request {attempt} never reached the engine; {watch.story()}"
-            # the client is gone; the request must leave the engine long before the crawling engine could finish it
-            gone = watch.reaches(0, 120)
-            story = f"request {attempt}: {watch.story()}; Serve log lines:\n{serve_log_lines(summit, dropped_id)}"
-        assert gone, "the engine still generates the answer nobody waits for: " + story
-        generated = engine_generated(engine_stats) - generated_before
-        assert generated < DROPPED_TOKENS - ABORT_MARGIN_TOKENS, f"{generated} tokens generated; {story}"
+    with Throttle(model_engine_cores(summit, MODEL)):
+        with socket.create_connection((url.hostname, url.port)) as client:
+            client.sendall(request)
+            assert watch.reaches(1, 120), f"the request never reached the engine; {watch.story()}"
+        # the client is gone; the request must leave the engine long before the crawling engine could finish it
+        gone = watch.reaches(0, 120)
+        story = f"{watch.story()}; Serve log lines:\n{serve_log_lines(summit, dropped_id)}"
+    assert gone, "the engine still generates the answer nobody waits for: " + story
+    generated = engine_generated(engine_stats) - generated_before
+    assert generated < DROPPED_TOKENS - ABORT_MARGIN_TOKENS, f"{generated} tokens generated; {story}"

@@ -469,8 +469,9 @@ def test_engine_killed_under_32_streams(faults):
         sampled_on_victim_errors=sum(not o.greedy and o.kind != "completed" for o in on_victim),
     )
     assert f["hung"] == 0 and f["lost"] == 0, [o for o in outcomes if o.kind in ("hung", "lost")]
-    # the victim's sampled streams end with an error the client sees; its temperature-0 ones go on elsewhere
-    assert f["error_event"] + f["refused"] >= 1, outcomes
+    # the victim's sampled streams end with an error the client sees (the engines crawl from before the load until
+    # the kill: some sampled stream was still running there), its temperature-0 ones go on elsewhere
+    assert f["sampled_on_victim_errors"] >= 1, [o for o in on_victim if not o.greedy]
     # (one that had no stream yet may be refused 503 + Retry-After, as any request to a dead engine)
     # the engine died under streams it was generating: its temperature-0 ones went on from another replica
     assert f["resumed"] >= 1, serve_log_lines(faults, "request ")
