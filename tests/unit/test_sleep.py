@@ -147,14 +147,14 @@ def test_a_busy_model_yields_the_gpu_after_min_awake_s_so_the_other_is_not_starv
         engines, sleepers = await _two_sharing(min_awake_s=0.2)
         served: list[str] = []
 
-        async def busy(name: str, until: float) -> None:  # back-to-back requests, never idle
-            loop = asyncio.get_running_loop()
-            while loop.time() < until:
+        async def busy(name: str, requests: int) -> None:  # back-to-back requests, never idle
+            for _ in range(requests):
                 await _use(sleepers[name], 0.02)
                 served.append(name)
 
-        until = asyncio.get_running_loop().time() + 1.5
-        await asyncio.gather(busy("a", until), busy("b", until))
+        # 30 requests of 0.02 s each: 0.6 s of work apiece, three times min_awake_s; without the yield the first
+        # model to hold the GPU would serve all its 30 before the other got one (a single switch)
+        await asyncio.gather(busy("a", 30), busy("b", 30))
         switches = sum(1 for x, y in zip(served, served[1:]) if x != y)
         assert switches >= 3, served  # each got the GPU again and again
         assert engines["a"].overlaps == engines["b"].overlaps == 0
@@ -162,6 +162,14 @@ def test_a_busy_model_yields_the_gpu_after_min_awake_s_so_the_other_is_not_starv
             s.stop()
 
     _run(scenario())
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    """Wait for `condition()` to hold (a state the test needs before its next step, not a time)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
+        await asyncio.sleep(0.001)
 
 
 async def _after(delay_s: float, coro) -> None:
@@ -175,9 +183,9 @@ def test_turns_go_in_arrival_order_and_a_holder_whose_process_is_gone_loses_its_
         turns = GpuTurns(alive=lambda member: member not in gone)
         assert await turns.acquire("a")
         b = asyncio.create_task(turns.acquire("b", poll_s=0.01))
-        await asyncio.sleep(0.02)
+        await _until(lambda: turns.state()["waiting"] == ["b"])
         c = asyncio.create_task(turns.acquire("c", poll_s=0.01))
-        await asyncio.sleep(0.02)
+        await _until(lambda: turns.state()["waiting"] == ["b", "c"])
         assert await turns.wanted("a", 0.5)
         assert turns.state() == {"holder": "a", "waiting": ["b", "c"]}
         await turns.release("a")
