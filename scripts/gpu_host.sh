@@ -195,13 +195,16 @@ flagship)
   # PATHVAR names (dummy weights through the documented override SUMMIT_ENGINE_KWARGS; FP8=1: an FP8 checkpoint's
   # shapes), ~1k-token prompts (330 words), 256 out, CONC (1 32 256) with REQS requests (4 64 256); ROUND numbers this start's
   # first round, ROUNDS_HERE rounds run on it, CHECKS=1 runs the OpenAI checks (tests/served) first, LAYOUT=TPxPP
-  # deploys the YAML at that layout instead (both peers)
+  # deploys the YAML at that layout instead (both peers), COLD=1 clears the compile caches first
   peer=${2:?usage: gpu_host.sh flagship summit|vllm CONFIG PRESET PATHVAR} config=${3:?} preset=${4:?} pathvar=${5:?}
   shapes=/tmp/summit-shapes-$preset${FP8:+-fp8}
   [ -f "$shapes/config.json" ] || python3 -m app.cli make-model-config "$preset" "$shapes" ${FP8:+--fp8} >/dev/null
   export "$pathvar=$shapes" SUMMIT_ENGINE_KWARGS=${SUMMIT_ENGINE_KWARGS:-'{"load_format": "dummy"}'}
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
   tag=$(basename "$config" .yaml)${LAYOUT:+-$LAYOUT}-$peer-r${ROUND:-1}
+  # COLD=1: both peers start without vLLM's torch.compile / Inductor / Triton caches (one round each: neither peer
+  # inherits the other's compiled graphs)
+  [ -n "${COLD:-}" ] && rm -rf ~/.cache/vllm /tmp/torchinductor_* ~/.triton/cache
   # shellcheck disable=SC2086 # word splitting wanted: lists of levels
   python3 bench/flagship.py run "$peer" "$config" --round "${ROUND:-1}" --rounds-here "${ROUNDS_HERE:-1}" \
     ${CHECKS:+--checks} ${LAYOUT:+--layout "$LAYOUT"} --concurrency ${CONC:-1 32 256} --requests-per-level ${REQS:-4 64 256} --prompt-words 330 \
