@@ -12,6 +12,7 @@ The replica that answered is the `x-summit-replica` header. Engine counters are 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 
@@ -233,6 +234,57 @@ def test_a_session_sticks_and_sessions_spread(http):
         assert len(replicas) == 1, f"session {session} moved: {replicas}"
         homes[session] = replicas.pop()
     assert len(set(homes.values())) == 2, f"sessions did not spread: {homes}"
+
+
+@contextlib.contextmanager
+def held_streams(cluster, http: httpx.Client):
+    """Streams opened one at a time while the engines are paused (SIGSTOP): each is routed, its answer starts (the
+    replica's header) and it stays ongoing until the block ends, however slow the box; `open(model, headers, body)`
+    returns the replica that took it. Closed (the client gone: aborted) when the engines resume."""
+    with paused(model_engine_cores(cluster, f"{PREFIX}+{SESSION}")), contextlib.ExitStack() as streams:
+
+        def open_stream(path: str, body: dict, headers: dict | None = None) -> str:
+            r = streams.enter_context(http.stream("POST", path, json={**body, "stream": True}, headers=headers))
+            return replica_of(r)
+
+        yield open_stream
+
+
+def chat_body(question: str) -> dict:
+    return {"model": SESSION, "messages": [{"role": "user", "content": question}], "max_tokens": 500}
+
+
+def test_a_session_stays_on_its_busy_replica_where_load_would_send_it_away(summit2, http):
+    """The case where session affinity and load disagree: the session's replica has one of the session's streams
+    ongoing and the other replica none. The session's next request must still go to its replica; a request without a
+    session, routed by load at that moment (the control), goes to the idle one. With the session table ignored
+    (tests/mutations/session-table-ignored.patch) the follow-up goes by load too, and this fails; so it does if the
+    router did not see the load (then the control fails)."""
+    session = f"busy-{random.random()}"
+    home = session_home(http, session)
+    with held_streams(summit2, http) as open_stream:
+        headers = {"x-session-id": session}
+        assert open_stream("/v1/chat/completions", chat_body("A long answer, please."), headers) == home
+        follow_up = open_stream("/v1/chat/completions", chat_body("And another."), headers)
+        control = open_stream("/v1/chat/completions", chat_body("Anyone there?"))
+    assert control != home, "a request without a session should go to the idle replica: the router saw no load"
+    assert follow_up == home, f"the session left its busy replica {home} for the idle {follow_up}"
+
+
+def test_a_prefix_stays_on_its_busy_replica_within_the_imbalance(summit2, http):
+    """The case where prefix affinity and load disagree: the prefix's replica has one of its streams ongoing (within
+    the imbalance of 2), the other replica none. The prefix's next request must go to its replica; a prompt shorter
+    than one block (no prefix key: routed by load), sent at that moment, goes to the idle one (the control). With the
+    prefix table ignored (tests/mutations/prefix-table-ignored.patch) the repeat goes by load and this fails."""
+    doc = document(200, title=f"Busy {random.random()}")
+    home = replica_of(complete(http, PREFIX, doc + "First question."))
+    with held_streams(summit2, http) as open_stream:
+        body = {"model": PREFIX, "max_tokens": 500, "ignore_eos": True}
+        assert open_stream("/v1/completions", {**body, "prompt": doc + "A long question."}) == home
+        repeat = open_stream("/v1/completions", {**body, "prompt": doc + "Another question."})
+        control = open_stream("/v1/completions", {**body, "prompt": "Short, no prefix key."})
+    assert control != home, "a prompt without a prefix key should go to the idle replica: the router saw no load"
+    assert repeat == home, f"the prefix left its replica {home} (1 ongoing, imbalance 2) for the idle {repeat}"
 
 
 def test_a_killed_replicas_sessions_move_the_others_stay(summit2, http):
