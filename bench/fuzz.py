@@ -343,10 +343,110 @@ def hand_cases(model: str) -> list[tuple[str, str, str, dict, bytes]]:
     ]
 
 
-def run_hand_cases(base_url: str, model: str, api_key: str | None, report: Report) -> list[dict]:
+# /v1/responses input items of every type with null, empty and mismatched fields (vLLM's own server answered some
+# such bodies 500 with an empty message): each must be a 4xx
+_RESPONSE_ITEMS = {
+    "function_call_output": [
+        {"type": "function_call_output"},
+        {"type": "function_call_output", "call_id": None, "output": None},
+        {"type": "function_call_output", "call_id": "", "output": ""},
+        {"type": "function_call_output", "call_id": 7, "output": {"not": "a string"}},
+    ],
+    "function_call": [
+        {"type": "function_call", "call_id": None, "name": None, "arguments": None},
+        {"type": "function_call", "call_id": "c", "name": "", "arguments": "{not json"},
+    ],
+    "input_file": [
+        {"type": "message", "role": "user", "content": [{"type": "input_file"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": None, "file_data": None}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_file", "file_data": "", "filename": ""}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_file", "file_url": 12}]},
+    ],
+    "input_image": [
+        {"type": "message", "role": "user", "content": [{"type": "input_image"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": None}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": ""}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "not a url"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_image", "file_id": 3, "detail": "huge"}]},
+    ],
+    "reasoning": [
+        {"type": "reasoning"},
+        {"type": "reasoning", "id": None, "summary": None},
+        {"type": "reasoning", "id": "r", "summary": [{"type": "summary_text", "text": None}]},
+        {"type": "reasoning", "id": "r", "summary": [], "content": [{"type": "reasoning_text", "text": 5}]},
+    ],
+    "message": [
+        {"role": "user", "content": None},
+        {"role": "user", "content": []},
+        {"role": None, "content": "hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": None}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text"}]},
+        {"type": "message", "role": "user", "content": [{"type": None, "text": "hi"}]},
+    ],
+    "other": [{}, {"type": None}, {"type": "no_such_item"}, None, "a string item", 5],
+}
+
+
+def responses_item_cases(model: str) -> list[tuple[str, str, str, dict, bytes]]:
+    """Hand cases: `/v1/responses` bodies whose `input` holds one bad item of each type (after a good message)."""
+    json_h = {"content-type": "application/json"}
+    cases = []
+    for kind, items in _RESPONSE_ITEMS.items():
+        for i, item in enumerate(items):
+            body = {"model": model, "max_output_tokens": 2, "input": [{"role": "user", "content": "hi"}, item]}
+            cases.append((f"responses input: {kind} {i}", "POST", "/v1/responses", json_h, json.dumps(body).encode()))
+    return cases
+
+
+def pooling_cases(model: str) -> list[tuple[str, str, str, dict, bytes]]:
+    """Hand cases for the pooling routes (an embedding or classification model's app): null, empty and mismatched
+    inputs."""
+    json_h = {"content-type": "application/json"}
+    bodies = {
+        "/v1/embeddings": [
+            {"input": None},
+            {"input": []},
+            {"input": [[]]},
+            {"input": [None]},
+            {"input": ["a", 1]},
+            {"input": [[1, "a"]]},
+            {"input": "x", "encoding_format": "hex"},
+            {"input": "x", "dimensions": -1},
+            {"input": [-5, 10**12]},
+            {"messages": None},
+            {"messages": [{"role": "user", "content": None}]},
+        ],
+        "/pooling": [{"input": None}, {"input": []}, {"input": [None]}, {"messages": []}],
+        "/classify": [{"input": None}, {"input": []}, {"input": [{}]}],
+        "/score": [
+            {"text_1": None, "text_2": None},
+            {"text_1": [], "text_2": []},
+            {"text_1": "a", "text_2": [None]},
+            {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]},
+        ],
+        "/rerank": [
+            {"query": None, "documents": None},
+            {"query": "q", "documents": []},
+            {"query": "q", "documents": [None]},
+            {"query": "q", "documents": ["d"], "top_n": -1},
+        ],
+    }
+    return [
+        (f"{path} {i}", "POST", path, json_h, json.dumps({"model": model, **body}).encode())
+        for path, cases in bodies.items()
+        for i, body in enumerate(cases)
+    ]
+
+
+def run_hand_cases(
+    base_url: str, model: str, api_key: str | None, report: Report, cases: list | None = None
+) -> list[dict]:
+    """Each case sent once; its answer judged (`problem`). `cases`: these instead of the generic ones plus the
+    /v1/responses input items."""
     outcomes = []
+    cases = cases if cases is not None else hand_cases(model) + responses_item_cases(model)
     with httpx.Client(base_url=base_url, timeout=TIMEOUT_S) as session:
-        for name, method, path, headers, body in hand_cases(model):
+        for name, method, path, headers, body in cases:
             if api_key:
                 headers = {"authorization": f"Bearer {api_key}", **headers}
             try:

@@ -57,8 +57,11 @@ def by_label(samples: list[Sample], name: str, label: str, **labels: str) -> dic
 
 
 def settled(read, gap_s: float = 3.0, tries: int = 20):
-    """`read()`'s value once two reads `gap_s` apart agree: with Ray reporting every 2 s (tests), it then includes
-    every event that happened before the first of them."""
+    """`read()`'s value once two reads `gap_s` apart agree: with Ray reporting every 2 s (tests), it then mostly
+    includes every event that happened before the first of them; Ray's export was seen lagging over 30 s on a loaded
+    box, so this is for a reading taken *before* what a test does (a lagging one there makes the later comparison
+    fail, never pass). A reading *after* it waits until the count includes something known to come last (the
+    test's own requests, or a sentinel request on the same engine), never on two equal reads."""
     last = read()
     for _ in range(tries):
         time.sleep(gap_s)

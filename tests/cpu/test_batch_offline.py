@@ -107,12 +107,17 @@ def test_ray_data_over_two_engine_actors_then_a_cut_run_resumes_on_serve_exactly
     chat = answers["o-0"]["response"]["body"]
     assert chat["object"] == "chat.completion" and answers["o-1"]["response"]["body"]["object"] == "text_completion"
 
-    # a run cut off after 12 lines, the 13th half written: the rerun runs the 35 others, the torn one whole again
-    kept = out.read_text().splitlines(keepends=True)[:12]
-    out.write_text("".join(kept) + kept[0][:40])
+    # a run cut off after 12 lines, the 13th half written (its custom_id and id there, its response not): the rerun
+    # runs the 35 others, the torn one among them, whole again. Fails if a torn line counts as finished (its id would
+    # be skipped: 34 ran) or stays in the file beside its redone copy
+    written = out.read_text().splitlines(keepends=True)
+    kept, torn = written[:12], written[12]
+    torn_id = json.loads(torn)["custom_id"]
+    out.write_text("".join(kept) + torn[: torn.index('"response"')])
     again = summit_batch(infile, out, config)
     assert again["skipped"] == 13 and again["ran"] == 35, again  # 12 answers and the error line are finished
     redone = read(out)
+    assert [x["custom_id"] for x in redone].count(torn_id) == 1
     assert sorted(x["custom_id"] for x in redone + read(err)) == sorted(x["custom_id"] for x in data)
     assert len(redone) == 47 and len(read(err)) == 1  # each line once
 

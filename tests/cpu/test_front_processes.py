@@ -223,22 +223,43 @@ def test_a_front_process_that_dies_gets_its_replica_replaced(fronts):
     assert streamed(fronts.base_url, 0) == (TOKENS, "length")
 
 
-def ended_how(base_url: str, i: int, tokens: int) -> str:
-    """A streamed completion read to its end: "complete", "error event: <message>" (an OpenAI error inside the
-    stream), or "cut: <exception>" (the connection closed under it)."""
+def ended_how(base_url: str, i: int, tokens: int) -> tuple[str, str]:
+    """A streamed completion read to its end: (the process that answered it: `x-summit-front`'s index, "replica"
+    without one, "-" when refused before an answer; how it ended: "complete", "error event: <message>" (an OpenAI
+    error inside the stream), "refused: <status>" (an error answer instead of a stream) or "cut: <exception>" (the
+    connection closed under it))."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    process = "-"
     try:
-        got = streamed(base_url, i, tokens)
+        raw = client.completions.with_raw_response.create(
+            model=MODEL,
+            prompt=f"Story {i}:",
+            max_tokens=tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        process = raw.headers.get("x-summit-front", "replica")
+        chunks = list(raw.parse())
+    except openai.APIStatusError as e:
+        return process, f"refused: {e.status_code}"
     except openai.APIConnectionError as e:
-        return f"cut: {type(e).__name__}: {e}"
+        return process, f"cut: {type(e).__name__}: {e}"
     except openai.APIError as e:
-        return f"error event: {e.message}"
-    return "complete" if got == (tokens, "length") else f"short: {got}"
+        return process, f"error event: {e.message}"
+    finally:
+        client.close()
+    usage = chunks[-1].usage.completion_tokens if chunks and chunks[-1].usage else None
+    return process, "complete" if usage == tokens else f"short: {usage}"
 
 
 def test_a_dead_engine_ends_the_front_process_streams_with_an_error_event(fronts):
     """Last (the replica is not replaced after): the engine core dies under streams on both processes; the front
     process learns it from the replica (its own client does not watch the core), so its streams end with vLLM's
-    error event too, none cut or hung. Sampled streams (not resumed: stream migration resumes temperature-0 ones)."""
+    error event too, none cut or hung. Each stream's process is recorded (`x-summit-front`): the test needs running
+    streams on both, and every stream the front process answered must end with the engine's error event (it fails if
+    the front process's streams hang, are cut or end without it). Sampled streams (not resumed: stream migration
+    resumes temperature-0 ones)."""
     before = with_front(fronts)
     (core,) = engine_core_processes(before["pid"])
     streams = 16  # the kernel spreads connections over the two processes: 8 once all went to one (~1 in 128)
@@ -247,11 +268,19 @@ def test_a_dead_engine_ends_the_front_process_streams_with_an_error_event(fronts
 
         def both_running() -> bool:
             s = replica_stats(fronts)
+            # streams in the engine from both: the front process's count, and the replica's own client's requests
             return s["fronts"][0]["running"] > 0 and s["num_unfinished_requests"] > 0
 
         assert wait_for(both_running, 120, 0.5), replica_stats(fronts)
         core.kill()
         outcomes = [f.result(timeout=120) for f in futures]
-    # vLLM's error event on running streams; a stream the replica had not yet passed to the engine is its 503
-    assert all(o.startswith("error event: ") for o in outcomes), outcomes
-    assert any(o.startswith("error event: EngineCore") for o in outcomes), outcomes
+    by_process: dict[str, list[str]] = {}
+    for process, how in outcomes:
+        by_process.setdefault(process, []).append(how)
+    # streams the engine ran, on both processes, each ended by vLLM's error event
+    assert {"replica", "1"} <= set(by_process), by_process
+    for process in ("replica", "1"):
+        assert by_process[process] and all(o.startswith("error event: ") for o in by_process[process]), by_process
+    assert any(how.startswith("error event: EngineCore") for _, how in outcomes), by_process
+    # a stream the replica had not yet passed to the engine is refused 503 (an honest retry), never cut or hung
+    assert all(o == "refused: 503" for o in by_process.get("-", [])), by_process

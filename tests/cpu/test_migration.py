@@ -20,7 +20,10 @@ _TEXT = re.compile(rb'"(text|content)":"(?:[^"\\]|\\.)*"')  # a JSON string's va
 def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
     """The installed vLLM in-process, without Ray: a temperature-0 stream's chunks through
     `Resumable.outgoing` are vLLM's own bytes without token ids; cut after k chunks, the continuation request run on
-    the same engine and rewritten gives the rest of the uncut stream, text and ids, for completions and chat."""
+    the same engine and rewritten gives the rest of the uncut stream, text and ids, for completions and chat. At
+    least three cuts a route are checked (after the first chunk, mid-stream, near the end): a stream that vLLM merged
+    into too few chunks is asked again, and fails the test rather than leave nothing to check. Fails if a
+    continuation repeats, skips or re-numbers a token."""
     import asyncio
 
     from app.clusters.tiny_model import make_tiny_model
@@ -60,15 +63,15 @@ def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
         cut into different chunks; their chunks' bytes must still be vLLM's own around the text."""
         return _TEXT.sub(rb'"\1":"T"', same_but_id(event)) if event.startswith(b"data: {") else event
 
-    async def uncut(app, path: str, body: dict) -> list[bytes]:
-        """vLLM's own stream with chunks before its last: a loaded box can merge a lagging consumer's whole answer
-        into its final chunk (one CI run did), which leaves no mid-stream chunk to compare with; the stream is the
-        same at temperature 0, so ask again."""
-        for _ in range(5):
-            plain = await events(app, path, body)
-            if sum(b'"finish_reason":null' in e for e in plain) >= 2:
-                break
-        return plain
+    async def uncut(app, path: str, body: dict, chunks: int) -> list[bytes]:
+        """vLLM's own stream in at least `chunks` chunks before its last: a loaded box can merge a lagging consumer's
+        tokens (one CI run got the whole answer in its final chunk), which leaves too few places to cut; the stream is
+        the same at temperature 0, so ask again, and fail rather than check fewer cuts."""
+        for _ in range(8):
+            stream = await events(app, path, body)
+            if sum(b'"finish_reason":null' in e for e in stream) >= chunks:
+                return stream
+        raise AssertionError(f"{path}: vLLM merged the stream into fewer than {chunks} chunks in 8 tries: {stream[:3]}")
 
     async def run() -> None:
         args = vllm_adapter.serve_namespace(str(model), "m", kwargs, {})
@@ -87,14 +90,16 @@ def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
                     "stream_options": {"include_usage": True},
                     **extra,
                 }
-                plain = await uncut(engine_app.app, path, payload)
-                with_ids = await events(engine_app.app, path, {**payload, "return_token_ids": True})
+                plain = await uncut(engine_app.app, path, payload, 2)
+                with_ids = await uncut(engine_app.app, path, {**payload, "return_token_ids": True}, 10)
                 uncut_text, uncut_ids = texts(with_ids)
                 assert uncut_text == texts(plain)[0] and len(uncut_ids) == payload["max_tokens"], path
                 assert any(b'"token_ids":null' in e for e in plain), plain[:2]  # vLLM writes it so without ids
                 vllms_own = {skeleton(e) for e in plain}
                 n = len(with_ids)  # ... the last token's chunk, the usage chunk, [DONE]
-                for cut in sorted({c for c in (1, 7, n // 2, n - 3) if 1 <= c <= n - 3}):
+                cuts = sorted({c for c in (1, 7, n // 2, n - 3) if 1 <= c <= n - 3})
+                assert len(cuts) >= 3, (path, n)  # at least 10 chunks: the first, one mid-stream, one near the end
+                for cut in cuts:
                     resume = Resumable(
                         path,
                         payload,

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from app.clusters.tiny_model import make_tiny_model
+from deployments.routing.policies import least_loaded, prefix_key
 from tests.cpu.engine_apps import APP, deployed, document, running_replicas, tiny_model, wait_for
 from tests.engine_checks import model_engine_cores, paused
 from tests.ray_metrics import scrape, settled, total
@@ -140,8 +141,24 @@ def test_two_models_listed_served_and_unknown_named(http):
     assert PREFIX in error["message"] and SESSION in error["message"]
 
 
+def same_hash_home(keys: list[str], replicas: list[str], n: int) -> list[int]:
+    """Indexes of `n` of `keys` that the router's tie-break (a hash of the key) sends to one and the same replica:
+    spread over both, they were spread by the affinity table's counts of keys per replica, not by the hash."""
+    home = {i: least_loaded(dict.fromkeys(replicas, 0), key=k) for i, k in enumerate(keys)}
+    for replica in replicas:
+        chosen = [i for i, r in home.items() if r == replica][:n]
+        if len(chosen) == n:
+            return chosen
+    raise AssertionError("no replica is the hash home of enough keys")
+
+
 def test_prefixes_spread_repeats_stick_and_hit_vllms_cache(summit2, http):
-    docs = [document(i) for i in range(6)]
+    """Six documents whose hash tie-break names one replica: spread over both only by the affinity table (with it
+    ignored, tests/mutations/prefix-table-ignored.patch, all six stay on that replica and this fails); each
+    document's repeats stay on its replica, whose vLLM prefix cache hits."""
+    candidates = [document(i) for i in range(48)]
+    keys = [prefix_key({"model": PREFIX, "prompt": d + "Question 0: what is it about?"}) for d in candidates]
+    docs = [candidates[i] for i in same_hash_home(keys, list(cache_counters(summit2)), 6)]
     prefix_tokens = [len(http.post("/tokenize", json={"model": PREFIX, "prompt": d}).json()["tokens"]) for d in docs]
     assert min(prefix_tokens) >= 2 * KV_BLOCK + 1, prefix_tokens
     before = cache_counters(summit2)
@@ -227,9 +244,14 @@ def session_home(http: httpx.Client, session: str, question: str = "Where are we
     return replica_of(r)
 
 
-def test_a_session_sticks_and_sessions_spread(http):
+def test_a_session_sticks_and_sessions_spread(summit2, http):
+    """Four sessions whose hash tie-break names one replica: spread over both only by the affinity table's counts
+    (with the table ignored, tests/mutations/session-table-ignored.patch, all four go to that replica and this
+    fails); each sticks."""
+    names = [f"traveller-{i}" for i in range(48)]
+    replicas = list(of_model(SESSION, "stats", summit2))
     homes = {}
-    for session in ("alice", "bob", "carol", "dave"):
+    for session in [names[i] for i in same_hash_home([f"session:{n}" for n in names], replicas, 4)]:
         replicas = {session_home(http, session, f"Turn {turn}") for turn in range(3)}
         assert len(replicas) == 1, f"session {session} moved: {replicas}"
         homes[session] = replicas.pop()

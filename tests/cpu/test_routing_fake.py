@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from deployments.http.protocol import HTTPRequest
+from deployments.routing.policies import least_loaded, prefix_key
 from deployments.routing.router_options import request_router_options
 from tests.cpu.engine_apps import wait_for
 from tests.local_cluster import LocalCluster
@@ -67,10 +68,36 @@ def call(handle, body: dict, headers: list[tuple[bytes, bytes]] | None = None) -
     return handle.handle_http.remote(request).result(timeout_s=30)
 
 
+def replica_ids(handle) -> list[str]:
+    """The deployment's two replicas, asked with requests that have no key (routed by load: either replica)."""
+    seen: set[str] = set()
+    for _ in range(64):
+        seen.add(call(handle, {"messages": []}))
+        if len(seen) == 2:
+            return sorted(seen)
+    raise AssertionError(f"64 keyless requests all went to {seen}")
+
+
+def same_hash_home(keys: list[str], replicas: list[str], n: int) -> list[int]:
+    """Indexes of `n` of `keys` that the routers' tie-break (a hash of the key) sends to one and the same replica:
+    spread over both replicas, they were spread by the affinity table's counts, not by the hash."""
+    home = {i: least_loaded(dict.fromkeys(replicas, 0), key=k) for i, k in enumerate(keys)}
+    for replica in replicas:
+        chosen = [i for i, r in home.items() if r == replica][:n]
+        if len(chosen) == n:
+            return chosen
+    raise AssertionError("no replica is the hash home of enough keys")
+
+
 def test_a_session_sticks_and_sessions_spread(serve_fakes):
+    """Sessions whose hash tie-break all names one replica: they spread over both only by the affinity table's
+    counts of sessions per replica, and each sticks. With the table ignored
+    (tests/mutations/session-table-ignored.patch) all four go to that one replica, and this fails."""
     handle = serve_fakes["session_affinity"]
+    names = [f"s{i}" for i in range(64)]
+    picked = [names[i] for i in same_hash_home([f"session:{n}" for n in names], replica_ids(handle), 4)]
     homes = {}
-    for session in ("s1", "s2", "s3", "s4"):
+    for session in picked:
         replicas = {call(handle, {"messages": []}, [(b"x-session-id", session.encode())]) for _ in range(4)}
         assert len(replicas) == 1, f"session {session} answered by {replicas}"
         homes[session] = replicas.pop()
@@ -78,8 +105,17 @@ def test_a_session_sticks_and_sessions_spread(serve_fakes):
 
 
 def test_prefix_repeats_stay_and_distinct_prefixes_spread(serve_fakes):
+    """Prefixes whose hash tie-break all names one replica: they spread only by the affinity table's counts; each
+    prefix's repeats stay. With the table ignored (tests/mutations/prefix-table-ignored.patch) all four go to one
+    replica, and this fails."""
     handle = serve_fakes["prefix_affinity"]
-    systems = [f"System prompt {i}: answer briefly and cite sources. " * 3 for i in range(4)]
+    candidates = [f"System prompt {i}: answer briefly and cite sources. " * 3 for i in range(64)]
+
+    def body(system: str, question: str) -> dict:
+        return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+    keys = [prefix_key(body(c, "q"), 64) for c in candidates]
+    systems = [candidates[i] for i in same_hash_home(keys, replica_ids(handle), 4)]
     owners = [
         {
             call(handle, {"messages": [{"role": "system", "content": s}, {"role": "user", "content": f"q{q}"}]})

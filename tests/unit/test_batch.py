@@ -218,13 +218,31 @@ def test_a_groups_answered_lines_free_their_places_before_the_group_ends():
     assert n == 12 and peak <= 6
 
 
+async def _until(condition, limit_s: float = 30.0) -> None:
+    """Wait until `condition()` holds (the event loop runs meanwhile); fails after `limit_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not condition():
+        assert loop.time() < deadline, "the condition never held"
+        await asyncio.sleep(0.005)
+
+
+async def _quiescent(rounds: int = 50) -> None:
+    """Every task that can run has run until it waits (the loop turned `rounds` times; no clock involved)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
 def test_batch_share_takes_the_engine_when_idle_and_a_share_beside_online_requests():
     """No online request: batch lines are not bounded here; one running: at most `busy_lines`, the rest wait until a
-    line ends; after the last online request the bound holds for `quiet_s`, then the waiting lines start."""
+    line ends; after the last online request the bound holds for `quiet_s` of the share's clock (a fake one here),
+    then the waiting lines start. Fails if lines start during the quiet time (the clock is held still there) or never
+    after it."""
     from deployments.batch.share import BatchShare
 
     async def scenario():
-        share = BatchShare(quiet_s=0.3)
+        now = [0.0]
+        share = BatchShare(quiet_s=0.3, clock=lambda: now[0])
         share.busy_lines = 2
         held = [asyncio.Event() for _ in range(6)]
         started = []
@@ -236,18 +254,22 @@ def test_batch_share_takes_the_engine_when_idle_and_a_share_beside_online_reques
 
         share.online_started()
         tasks = [asyncio.create_task(line(i)) for i in range(4)]
-        await asyncio.sleep(0.05)
+        await _until(lambda: len(started) == 2)
+        await _quiescent()
         assert started == [0, 1] and share.running == 2  # the share, beside one online request
         held[0].set()
-        await asyncio.sleep(0.05)
+        await _until(lambda: len(started) == 3)
+        await _quiescent()
         assert started == [0, 1, 2]  # a line ended: the next one takes its place
-        share.online_ended()  # quiet time starts: still the share
-        await asyncio.sleep(0.05)
+        now[0] = 10.0
+        share.online_ended()  # quiet time starts (the clock stands still): still the share
+        await _quiescent()
         assert started == [0, 1, 2]
-        await asyncio.sleep(0.4)  # past the quiet time: every waiting line starts
+        now[0] = 10.31  # past the quiet time: the waiting lines start when they look again
+        await _until(lambda: len(started) == 4)
         assert started == [0, 1, 2, 3] and share.running == 3
         more = [asyncio.create_task(line(i)) for i in (4, 5)]
-        await asyncio.sleep(0.05)
+        await _until(lambda: len(started) == 6)
         assert started == [0, 1, 2, 3, 4, 5]  # idle: no bound
         for e in held:
             e.set()

@@ -295,9 +295,11 @@ def test_admission_runs_ongoing_queues_queued_and_rejects_the_rest_openai_shaped
         app.options.admission = Admission(ongoing=2, queued=1, status=429, retry_after_s=1.5)
         body = {"model": "a", "prompt": "x", "hold": True}
         admitted = [asyncio.create_task(call(app, "POST", "/v1/completions", body)) for _ in range(3)]
-        while engine.running < 2:
+        admission = app.options.admission
+        while not (engine.running == 2 and admission._waiting == 1):  # two in the engine, the third queued
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
+        for _ in range(50):  # every task runs until it waits (no clock)
+            await asyncio.sleep(0)
         assert engine.running == 2  # the third waits in the front, not in the engine
         rejected = [await call(app, "POST", "/v1/completions", body) for _ in range(2)]
         engine.gate.set()
@@ -320,15 +322,19 @@ def test_a_client_that_leaves_while_queued_frees_its_place():
         app.options.admission = Admission(ongoing=1, queued=1, status=503, retry_after_s=1)
         body = {"model": "a", "prompt": "x", "hold": True}
         first = asyncio.create_task(call(app, "POST", "/v1/completions", body))
+        admission = app.options.admission
         while engine.running < 1:
             await asyncio.sleep(0.01)
         waiting = asyncio.create_task(call(app, "POST", "/v1/completions", body))
-        await asyncio.sleep(0.05)
+        while admission._waiting < 1:  # queued behind the first
+            await asyncio.sleep(0.01)
         full = await call(app, "POST", "/v1/completions", body)
         waiting.cancel()  # the queued client goes
-        await asyncio.sleep(0.05)
+        while admission._waiting > 0:  # its place is free
+            await asyncio.sleep(0.01)
         queued_again = asyncio.create_task(call(app, "POST", "/v1/completions", body))
-        await asyncio.sleep(0.05)
+        while admission._waiting < 1:
+            await asyncio.sleep(0.01)
         engine.gate.set()
         return full, await first, await queued_again
 
