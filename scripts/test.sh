@@ -15,8 +15,8 @@ ruff format --check app deployments tests bench scripts
 lint-imports
 wait "$packages"
 # each module's time, from pytest's JUnit XML in the run's own temp dir (SUMMIT_TEST_JUNIT to keep it elsewhere),
-# summarised at the end; `python scripts/suite_times.py FILE --order tests/module_order.json` turns it into the
-# slowest-first order the next runs start modules in (tests/conftest.py)
+# summarised at the end; `python scripts/suite_times.py FILE --order tests/module_order.json` turns it into a
+# slowest-first order for the next runs (tests/conftest.py; the file says which order it keeps and why)
 junit=${SUMMIT_TEST_JUNIT:-$(mktemp -d "${TMPDIR:-/tmp}/summit-tests.XXXXXX")/junit.xml}
 status=0
 python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=40 --junitxml="$junit" \

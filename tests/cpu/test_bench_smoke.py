@@ -4,7 +4,7 @@ from. Figures are not judged here (benchmarks are commands, and no test asserts 
 whole, with every request answered.
 
 Not in the CI run (6+ minutes of its 30 on two cores: two Summit clusters and two `vllm serve`s): reported skipped
-there; run it with `SUMMIT_BENCH_SMOKE=1 bash scripts/test.sh tests/cpu/test_bench_smoke.py` after changing bench/."""
+there; after changing bench/, run `SUMMIT_BENCH_SMOKE=1 .venv/bin/python -m pytest tests/cpu/test_bench_smoke.py`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.timeout(900),
     pytest.mark.skipif(
         os.environ.get("SUMMIT_BENCH_SMOKE") != "1",
-        reason="opt-in: SUMMIT_BENCH_SMOKE=1 bash scripts/test.sh tests/cpu/test_bench_smoke.py",
+        reason="opt-in: SUMMIT_BENCH_SMOKE=1 .venv/bin/python -m pytest tests/cpu/test_bench_smoke.py",
     ),
 ]
 
