@@ -75,20 +75,23 @@ def replica_state(cluster, replica_id: str) -> str | None:
     return next((r["state"] for r in replicas if r["replica_id"] == replica_id), None)
 
 
+def open_stream(client: openai.OpenAI, i: int, tokens: int):
+    """Story `i`'s streamed completion of `tokens` tokens, its raw response (`.headers`, `.parse()`: the chunks)."""
+    return client.completions.with_raw_response.create(
+        model=MODEL,
+        prompt=f"Story {i}:",
+        max_tokens=tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+
+
 def streamed(base_url: str, i: int, tokens: int = TOKENS) -> tuple[int, str | None]:
     """One streamed completion on its own connection: (tokens, finish_reason)."""
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     try:
-        chunks = list(
-            client.completions.create(
-                model=MODEL,
-                prompt=f"Story {i}:",
-                max_tokens=tokens,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )
-        )
+        chunks = list(open_stream(client, i, tokens).parse())
     finally:
         client.close()
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -231,14 +234,7 @@ def ended_how(base_url: str, i: int, tokens: int) -> tuple[str, str]:
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     process = "-"
     try:
-        raw = client.completions.with_raw_response.create(
-            model=MODEL,
-            prompt=f"Story {i}:",
-            max_tokens=tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
+        raw = open_stream(client, i, tokens)
         process = raw.headers.get("x-summit-front", "replica")
         chunks = list(raw.parse())
     except openai.APIStatusError as e:

@@ -21,11 +21,12 @@ import psutil
 import pytest
 
 from app.clusters.tiny_model import make_tiny_model
-from deployments.routing.policies import least_loaded, prefix_key
+from deployments.routing.policies import prefix_key
 from tests.cpu.engine_apps import APP, deployed, document, running_replicas, tiny_model, wait_for
 from tests.engine_checks import model_engine_cores, paused
 from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
+from tests.routing_keys import same_hash_home
 
 PREFIX, SESSION = "tiny-prefix", "tiny-session"
 POOL = f"LLMServer:{PREFIX}+{SESSION}"
@@ -139,17 +140,6 @@ def test_two_models_listed_served_and_unknown_named(http):
     error = r.json()["error"]
     assert error["type"] == "NotFoundError" and error["param"] == "model"
     assert PREFIX in error["message"] and SESSION in error["message"]
-
-
-def same_hash_home(keys: list[str], replicas: list[str], n: int) -> list[int]:
-    """Indexes of `n` of `keys` that the router's tie-break (a hash of the key) sends to one and the same replica:
-    spread over both, they were spread by the affinity table's counts of keys per replica, not by the hash."""
-    home = {i: least_loaded(dict.fromkeys(replicas, 0), key=k) for i, k in enumerate(keys)}
-    for replica in replicas:
-        chosen = [i for i, r in home.items() if r == replica][:n]
-        if len(chosen) == n:
-            return chosen
-    raise AssertionError("no replica is the hash home of enough keys")
 
 
 def test_prefixes_spread_repeats_stick_and_hit_vllms_cache(summit2, http):

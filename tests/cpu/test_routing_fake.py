@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from deployments.http.protocol import HTTPRequest
-from deployments.routing.policies import least_loaded, prefix_key
+from deployments.routing.policies import prefix_key
 from deployments.routing.router_options import request_router_options
 from tests.cpu.engine_apps import wait_for
 from tests.local_cluster import LocalCluster
+from tests.routing_keys import same_hash_home
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,17 +77,6 @@ def replica_ids(handle) -> list[str]:
         if len(seen) == 2:
             return sorted(seen)
     raise AssertionError(f"64 keyless requests all went to {seen}")
-
-
-def same_hash_home(keys: list[str], replicas: list[str], n: int) -> list[int]:
-    """Indexes of `n` of `keys` that the routers' tie-break (a hash of the key) sends to one and the same replica:
-    spread over both replicas, they were spread by the affinity table's counts, not by the hash."""
-    home = {i: least_loaded(dict.fromkeys(replicas, 0), key=k) for i, k in enumerate(keys)}
-    for replica in replicas:
-        chosen = [i for i, r in home.items() if r == replica][:n]
-        if len(chosen) == n:
-            return chosen
-    raise AssertionError("no replica is the hash home of enough keys")
 
 
 def test_a_session_sticks_and_sessions_spread(serve_fakes):
