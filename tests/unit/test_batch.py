@@ -10,6 +10,7 @@ import pytest
 from deployments.batch.core import Answer, Unavailable, run_lines
 from deployments.batch.lines import Line, grouped, parse_lines, window_seconds
 from deployments.batch.store import BatchStore, Conflict, NotFound
+from tests.aio import until
 
 URL = "/v1/completions"
 
@@ -218,15 +219,6 @@ def test_a_groups_answered_lines_free_their_places_before_the_group_ends():
     assert n == 12 and peak <= 6
 
 
-async def _until(condition, limit_s: float = 30.0) -> None:
-    """Wait until `condition()` holds (the event loop runs meanwhile); fails after `limit_s`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not condition():
-        assert loop.time() < deadline, "the condition never held"
-        await asyncio.sleep(0.005)
-
-
 async def _quiescent(rounds: int = 50) -> None:
     """Every task that can run has run until it waits (the loop turned `rounds` times; no clock involved)."""
     for _ in range(rounds):
@@ -254,11 +246,11 @@ def test_batch_share_takes_the_engine_when_idle_and_a_share_beside_online_reques
 
         share.online_started()
         tasks = [asyncio.create_task(line(i)) for i in range(4)]
-        await _until(lambda: len(started) == 2)
+        await until(lambda: len(started) == 2)
         await _quiescent()
         assert started == [0, 1] and share.running == 2  # the share, beside one online request
         held[0].set()
-        await _until(lambda: len(started) == 3)
+        await until(lambda: len(started) == 3)
         await _quiescent()
         assert started == [0, 1, 2]  # a line ended: the next one takes its place
         now[0] = 10.0
@@ -266,10 +258,10 @@ def test_batch_share_takes_the_engine_when_idle_and_a_share_beside_online_reques
         await _quiescent()
         assert started == [0, 1, 2]
         now[0] = 10.31  # past the quiet time: the waiting lines start when they look again
-        await _until(lambda: len(started) == 4)
+        await until(lambda: len(started) == 4)
         assert started == [0, 1, 2, 3] and share.running == 3
         more = [asyncio.create_task(line(i)) for i in (4, 5)]
-        await _until(lambda: len(started) == 6)
+        await until(lambda: len(started) == 6)
         assert started == [0, 1, 2, 3, 4, 5]  # idle: no bound
         for e in held:
             e.set()

@@ -14,6 +14,7 @@ from app.config.options import SleepOptions
 from deployments.http.errors import OpenAIError
 from deployments.server.gpu_share import GpuTurns
 from deployments.server.sleep import Sleeper
+from tests.aio import until
 
 
 class FakeEngine:
@@ -164,14 +165,6 @@ def test_a_busy_model_yields_the_gpu_after_min_awake_s_so_the_other_is_not_starv
     _run(scenario())
 
 
-async def _until(condition, timeout_s: float = 10.0) -> None:
-    """Wait for `condition()` to hold (a state the test needs before its next step, not a time)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
-        await asyncio.sleep(0.001)
-
-
 async def _after(delay_s: float, coro) -> None:
     await asyncio.sleep(delay_s)
     await coro
@@ -183,9 +176,9 @@ def test_turns_go_in_arrival_order_and_a_holder_whose_process_is_gone_loses_its_
         turns = GpuTurns(alive=lambda member: member not in gone)
         assert await turns.acquire("a")
         b = asyncio.create_task(turns.acquire("b", poll_s=0.01))
-        await _until(lambda: turns.state()["waiting"] == ["b"])
+        await until(lambda: turns.state()["waiting"] == ["b"])
         c = asyncio.create_task(turns.acquire("c", poll_s=0.01))
-        await _until(lambda: turns.state()["waiting"] == ["b", "c"])
+        await until(lambda: turns.state()["waiting"] == ["b", "c"])
         assert await turns.wanted("a", 0.5)
         assert turns.state() == {"holder": "a", "waiting": ["b", "c"]}
         await turns.release("a")
