@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import psutil
 
 from deployments.engine import NO_NVLINK_MULTICAST_ENV
@@ -144,6 +145,36 @@ def paused(procs: list[psutil.Process]):
                 p.resume()
             except psutil.NoSuchProcess:
                 pass
+
+
+class HeldStreams:
+    """Streams held ongoing until `held_streams`' block ends (then closed: the client gone, so vLLM aborts them)."""
+
+    def __init__(self, http: httpx.Client, stack: contextlib.ExitStack):
+        self._http, self._stack = http, stack
+
+    def open(self, path: str, body: dict, headers: dict | None = None) -> str:
+        """Start a stream of `body` and return the replica that took it (its answer's `x-summit-replica` header: the
+        front answers it even while that replica's engine is paused)."""
+        r = self._stack.enter_context(self._http.stream("POST", path, json={**body, "stream": True}, headers=headers))
+        assert r.status_code == 200, r.read()
+        return r.headers["x-summit-replica"]
+
+    def pause(self, procs: list[psutil.Process]) -> None:
+        """Pause these engine cores (SIGSTOP) until the block ends: the streams on them count ongoing however slow
+        the box."""
+        self._stack.enter_context(paused(procs))
+
+
+@contextlib.contextmanager
+def held_streams(http: httpx.Client, pause: list[psutil.Process] | None = None):
+    """A `HeldStreams` for the block, with `pause`'s engine cores paused from the start (or, by `held.pause`, from
+    when a replica holds what it should): how routing tests build a busy replica beside an idle one."""
+    with contextlib.ExitStack() as stack:
+        held = HeldStreams(http, stack)
+        if pause:
+            held.pause(pause)
+        yield held
 
 
 def engine_core_processes(replica_pid: int) -> list[psutil.Process]:

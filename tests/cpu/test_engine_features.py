@@ -12,7 +12,6 @@ tiny adapters and one replica of each other family. API keys are on, as adapters
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import threading
@@ -27,7 +26,7 @@ from app.clusters.tiny_model import make_tiny_lora, make_tiny_model
 from deployments.http.response_ids import STORE_ENV, new_id
 from deployments.routing.kv_policy import KV_CLAIM_S
 from tests.cpu.engine_apps import APP, deployed, document, running_replicas, serve_log_matches, tiny_model, wait_for
-from tests.engine_checks import engine_core_processes, paused
+from tests.engine_checks import engine_core_processes, held_streams
 from tests.replica_probe import probe
 
 MODEL = "tiny-feat"
@@ -154,27 +153,6 @@ def replica_pids(features_app) -> dict[str, int]:
     return {replica: s["pid"] for replica, s in stats.items()}
 
 
-@contextlib.contextmanager
-def busy_replica(features_app, body: dict, pids: dict[str, int]):
-    """A stream of `body` held ongoing on the replica that takes it: once its answer has started, that replica's
-    engine core is paused (SIGSTOP; the other replicas' engines run on), so it counts one ongoing request however
-    slow the box, until the block ends (then resumed, and the stream closed: aborted); `pids`: `replica_pids`. Yields
-    (the replica, `open`):
-    `open(body)` starts another stream and returns the replica that took it (its answer's header; the front answers
-    it even while its engine is paused)."""
-    url = features_app.base_url
-    with httpx.Client(base_url=url, headers=AUTH, timeout=120) as h, contextlib.ExitStack() as streams:
-
-        def open_stream(b: dict) -> str:
-            r = streams.enter_context(h.stream("POST", "/v1/completions", json={**b, "stream": True}))
-            assert r.status_code == 200, r.read()
-            return r.headers["x-summit-replica"]
-
-        replica = open_stream(body)
-        with paused(engine_core_processes(pids[replica])):
-            yield replica, open_stream
-
-
 def test_an_adapter_stays_on_its_busy_replica_where_load_would_send_it_away(features_app, client):
     """The case where adapter affinity and load disagree: the replica that loaded the adapter holds one of its
     streams (its engine paused), the other replica none. The adapter's next request must still go to the replica
@@ -185,13 +163,11 @@ def test_an_adapter_stays_on_its_busy_replica_where_load_would_send_it_away(feat
     home = complete(client, name, prompt="Warm the adapter.")[1]
     long = {"max_tokens": 500, "ignore_eos": True}
     pids = replica_pids(features_app)
-    with busy_replica(features_app, {"model": name, "prompt": "A long answer, please.", **long}, pids) as (
-        held,
-        open_stream,
-    ):
-        assert held == home
-        follow_up = open_stream({"model": name, "prompt": "And another.", **long})
-        control = open_stream({"model": MODEL, "prompt": "Anyone?", **long})
+    with httpx.Client(base_url=features_app.base_url, headers=AUTH, timeout=120) as h, held_streams(h) as held:
+        assert held.open("/v1/completions", {"model": name, "prompt": "A long answer, please.", **long}) == home
+        held.pause(engine_core_processes(pids[home]))  # its stream stays ongoing; the other replica runs on
+        follow_up = held.open("/v1/completions", {"model": name, "prompt": "And another.", **long})
+        control = held.open("/v1/completions", {"model": MODEL, "prompt": "Anyone?", **long})
     assert control != home, "a base-model request should go to the idle replica: the router saw no load"
     assert follow_up == home, f"the adapter's request left {home}, which holds it, for the idle {follow_up}"
 
@@ -208,9 +184,10 @@ def test_kv_cache_routing_sends_a_document_back_to_the_replica_that_cached_it(fe
     pids = replica_pids(features_app)
     for i, doc in enumerate(docs):
         hold = {"model": MODEL, "prompt": f"Hold this replica {i}.", "max_tokens": 500, "ignore_eos": True}
-        with busy_replica(features_app, hold, pids) as (held, _):
+        with httpx.Client(base_url=features_app.base_url, headers=AUTH, timeout=120) as h, held_streams(h) as held:
+            busy.append(held.open("/v1/completions", hold))
+            held.pause(engine_core_processes(pids[busy[-1]]))  # one ongoing there, however slow the box
             homes.append(complete(client, MODEL, prompt=doc)[1])
-            busy.append(held)
     assert all(home != held for home, held in zip(homes, busy)), (homes, busy)  # by load: the idle replica
     time.sleep(KV_CLAIM_S + 1)  # the router's claim on each document's blocks lapses (a time-to-live)
     again = [[complete(client, MODEL, prompt=doc + f"Question {q}: why?")[1] for q in range(2)] for doc in docs]

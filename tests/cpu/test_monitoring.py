@@ -34,29 +34,44 @@ POOL = f"LLMServer:{MODEL}"
 DASHBOARD = REPO / "monitoring/summit-dashboard.json"
 # a shared prompt head longer than one CPU KV block (128 tokens), so that repeats hit vLLM's prefix cache
 HEAD = " ".join(f"word{i}" for i in range(40))  # ~190 tokens
+READY_LINE = f"Replica of {MODEL} ready: its engine answered a warm-up request"
 
 
 class Readiness:
-    """Polls /v1/models while the app deploys; the first time the model is listed, a completion must succeed."""
+    """Polls /v1/models while the app deploys, and after each poll reads the replica's log: a poll that lists the
+    model must come after the replica logged that its engine answered the warm-up (the line is written before Serve
+    can route to the replica), and some polls must land while the replica runs but its engine has not yet answered
+    (the engine's start is 25-35 s here) and find the model unlisted. A replica marked ready before its engine
+    answered (the engine built in the background, say) is listed in that window and fails the test."""
 
     def __init__(self):
-        self.listed_at: float | None = None
+        self.listed_before_ready = 0  # polls that listed the model before the replica logged its engine answered
+        self.unlisted_while_starting = 0  # polls in that window that did not list it
         self.first_completion: int | None = None
         self.polls = 0
         self.last = ""  # the last poll's outcome, for the failure message
 
+    @staticmethod
+    def replica_log(cluster) -> str | None:
+        logs = list(cluster.temp_dir.glob("session_latest/logs/serve/replica_*.log"))
+        return "".join(p.read_text(errors="replace") for p in logs) if logs else None
+
     def __call__(self, cluster) -> None:
         if self.first_completion is not None:
             return
-        try:
+        try:  # (HAProxy holds a request while no replica runs: such a poll times out, unlisted)
             models = httpx.get(cluster.base_url + "/v1/models", timeout=5)
+            self.last = f"{models.status_code} {models.text[:300]}"
+            listed = models.status_code == 200 and any(m["id"] == MODEL for m in models.json()["data"])
         except httpx.HTTPError as e:
-            self.last = repr(e)
-            return
+            self.last, listed = repr(e), False
+        log = self.replica_log(cluster)  # read after the poll: a listing seen must have been logged ready already
+        engine_answered = log is not None and READY_LINE in log
         self.polls += 1
-        self.last = f"{models.status_code} {models.text[:300]}"
-        if models.status_code == 200 and any(m["id"] == MODEL for m in models.json()["data"]):
-            self.listed_at = time.time()
+        if log is not None and not engine_answered:
+            self.listed_before_ready += listed
+            self.unlisted_while_starting += not listed
+        if listed:
             r = httpx.post(
                 cluster.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}, timeout=60
             )
@@ -91,10 +106,14 @@ def client(mon_app):
 
 
 def test_a_model_is_listed_only_once_its_engine_answers(mon_app):
+    """Fails if /v1/models lists the model while its replica's engine is still starting (see Readiness), if the first
+    completion after it is listed fails, or if the load-stage metrics or the warm-up log line are missing."""
     # the app may have become ready between two polls (and a poll on a busy box may time out): keep polling a while
-    assert wait_for(lambda: READINESS(mon_app) or READINESS.listed_at is not None, 60, 1), (
+    assert wait_for(lambda: READINESS(mon_app) or READINESS.first_completion is not None, 60, 1), (
         f"never listed in {READINESS.polls} polls; last: {READINESS.last}"
     )
+    assert READINESS.listed_before_ready == 0, "listed before the replica's engine answered its warm-up"
+    assert READINESS.unlisted_while_starting > 0, f"no poll landed while the engine started ({READINESS.polls} polls)"
     assert READINESS.first_completion == 200
     samples: list = []
 
@@ -105,10 +124,6 @@ def test_a_model_is_listed_only_once_its_engine_answers(mon_app):
     assert wait_for(ready_reported, 30)
     seconds = by_label(samples, "ray_summit_replica_load_seconds", "stage", model=MODEL)
     assert seconds.get("engine", 0) > 0 and seconds.get("warmup", 0) > 0, seconds
-    logs = "".join(
-        p.read_text(errors="replace") for p in mon_app.temp_dir.glob("session_latest/logs/serve/replica_*.log")
-    )
-    assert f"Replica of {MODEL} ready: its engine answered a warm-up request" in logs
 
 
 def _engine_counts(cluster) -> dict[str, float]:

@@ -12,7 +12,6 @@ The replica that answered is the `x-summit-replica` header. Engine counters are 
 
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 
@@ -23,7 +22,7 @@ import pytest
 from app.clusters.tiny_model import make_tiny_model
 from deployments.routing.policies import prefix_key
 from tests.cpu.engine_apps import APP, deployed, document, running_replicas, tiny_model, wait_for
-from tests.engine_checks import model_engine_cores, paused
+from tests.engine_checks import held_streams, model_engine_cores, paused
 from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
 from tests.routing_keys import same_hash_home
@@ -248,20 +247,6 @@ def test_a_session_sticks_and_sessions_spread(summit2, http):
     assert len(set(homes.values())) == 2, f"sessions did not spread: {homes}"
 
 
-@contextlib.contextmanager
-def held_streams(cluster, http: httpx.Client):
-    """Streams opened one at a time while the engines are paused (SIGSTOP): each is routed, its answer starts (the
-    replica's header) and it stays ongoing until the block ends, however slow the box; `open(model, headers, body)`
-    returns the replica that took it. Closed (the client gone: aborted) when the engines resume."""
-    with paused(model_engine_cores(cluster, f"{PREFIX}+{SESSION}")), contextlib.ExitStack() as streams:
-
-        def open_stream(path: str, body: dict, headers: dict | None = None) -> str:
-            r = streams.enter_context(http.stream("POST", path, json={**body, "stream": True}, headers=headers))
-            return replica_of(r)
-
-        yield open_stream
-
-
 def chat_body(question: str) -> dict:
     return {"model": SESSION, "messages": [{"role": "user", "content": question}], "max_tokens": 500}
 
@@ -274,11 +259,11 @@ def test_a_session_stays_on_its_busy_replica_where_load_would_send_it_away(summi
     router did not see the load (then the control fails)."""
     session = f"busy-{random.random()}"
     home = session_home(http, session)
-    with held_streams(summit2, http) as open_stream:
+    with held_streams(http, pause=model_engine_cores(summit2, f"{PREFIX}+{SESSION}")) as held:
         headers = {"x-session-id": session}
-        assert open_stream("/v1/chat/completions", chat_body("A long answer, please."), headers) == home
-        follow_up = open_stream("/v1/chat/completions", chat_body("And another."), headers)
-        control = open_stream("/v1/chat/completions", chat_body("Anyone there?"))
+        assert held.open("/v1/chat/completions", chat_body("A long answer, please."), headers) == home
+        follow_up = held.open("/v1/chat/completions", chat_body("And another."), headers)
+        control = held.open("/v1/chat/completions", chat_body("Anyone there?"))
     assert control != home, "a request without a session should go to the idle replica: the router saw no load"
     assert follow_up == home, f"the session left its busy replica {home} for the idle {follow_up}"
 
@@ -290,11 +275,11 @@ def test_a_prefix_stays_on_its_busy_replica_within_the_imbalance(summit2, http):
     prefix table ignored (tests/mutations/prefix-table-ignored.patch) the repeat goes by load and this fails."""
     doc = document(200, title=f"Busy {random.random()}")
     home = replica_of(complete(http, PREFIX, doc + "First question."))
-    with held_streams(summit2, http) as open_stream:
+    with held_streams(http, pause=model_engine_cores(summit2, f"{PREFIX}+{SESSION}")) as held:
         body = {"model": PREFIX, "max_tokens": 500, "ignore_eos": True}
-        assert open_stream("/v1/completions", {**body, "prompt": doc + "A long question."}) == home
-        repeat = open_stream("/v1/completions", {**body, "prompt": doc + "Another question."})
-        control = open_stream("/v1/completions", {**body, "prompt": "Short, no prefix key."})
+        assert held.open("/v1/completions", {**body, "prompt": doc + "A long question."}) == home
+        repeat = held.open("/v1/completions", {**body, "prompt": doc + "Another question."})
+        control = held.open("/v1/completions", {**body, "prompt": "Short, no prefix key."})
     assert control != home, "a prompt without a prefix key should go to the idle replica: the router saw no load"
     assert repeat == home, f"the prefix left its replica {home} (1 ongoing, imbalance 2) for the idle {repeat}"
 

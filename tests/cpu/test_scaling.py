@@ -6,8 +6,9 @@ engine's max_num_seqs: 4 -> 3), max_ongoing_requests 4, max_queued_requests 2, o
   returns to 1 when they end.
 - A burst of 16 streams gets OpenAI-shaped 429s at once from the replica's front (none waits unbounded), the rest
   complete, and the model serves again afterwards.
-- Given a latency target (`policy: {ttft_p90_ms}`), it scales 1 -> 2 on vLLM's measured TTFT under a load Serve's
-  own policy would not scale on, and back to 1 after.
+- Given a latency target (`policy: {ttft_p90_ms}`) that is met, 5 clients (which scale it under Serve's own policy)
+  keep one replica; given one that is missed, it scales 1 -> 2 on vLLM's measured TTFT under a load Serve's own
+  policy would not scale on, and back to 1 after.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from app.build.options import FRONT_BOUNDS_ONGOING
 from app.config.autoscaling import LATENCY_POLICY, autoscaling_config
-from tests.cpu.engine_apps import deployed, deployment_details, running_replicas, tiny_model, wait_for
+from tests.cpu.engine_apps import APP, deployed, deployment_details, running_replicas, tiny_model, wait_for
 from tests.engine_checks import Throttle, model_engine_cores
 
 SCALE = "tiny-scale"
@@ -205,25 +206,73 @@ def test_sustained_4x_overload_is_refused_fast_and_recovers(summit_scaling):
     assert replica_actors(summit_scaling, SCALE), "no replica left"  # (it may scale 1 <-> 2 meanwhile)
 
 
-def test_latency_targets_scale_out_past_the_target_and_back_in(summit_scaling, http):
-    """Last in the module (it changes the model's autoscaling): `autoscaling_config.policy: {ttft_p90_ms: 1}`, as
-    Summit turns it into Serve's custom policy, applied through Serve's per-deployment override (no replica restarts:
-    the engine is the one the other tests used). Two clients of long unstreamed requests keep 2 ongoing: under the
-    `target_ongoing_requests` of 3 at which Serve's own policy would ask for another replica; but vLLM's measured p90
-    time to first token is past 1 ms, so Serve starts a second replica. Once the load ends the replicas measure nothing
-    and it goes (starting or running: whether its engine comes up under this load is the other scaling test's to
-    see)."""
-    model = summit_scaling.serve_config["applications"][0]["args"]["models"][0]
-    given = {**model["deployment"]["autoscaling_config"], "policy": {"ttft_p90_ms": 1}}
-    config = copy.deepcopy(summit_scaling.serve_config)
+def apply_latency_policy(cluster, policy: dict) -> None:
+    """`autoscaling_config.policy` as Summit turns it into Serve's custom policy, applied through Serve's
+    per-deployment override (no replica restarts: the engine is the one the other tests used); one replica running."""
+    model = cluster.serve_config["applications"][0]["args"]["models"][0]
+    given = {**model["deployment"]["autoscaling_config"], "policy": policy}
+    config = copy.deepcopy(cluster.serve_config)
     scaling = autoscaling_config(given, max_num_seqs=4, max_ongoing_requests=ONGOING)  # Summit's YAML -> Serve's
     config["applications"][0]["deployments"] = [{"name": DEPLOYMENT, "autoscaling_config": scaling}]
-    summit_scaling.serve_deploy(config)
-    assert wait_for(lambda: len(running_replicas(summit_scaling, DEPLOYMENT)) == 1, 120)
-    applied = deployment_details(summit_scaling, DEPLOYMENT)["deployment_config"]["autoscaling_config"]
-    policy = applied["policy"]
-    assert policy["policy_function"] == LATENCY_POLICY and policy["policy_kwargs"]["ttft_p90_ms"] == 1, policy
+    cluster.serve_deploy(config)
+    assert wait_for(lambda: len(running_replicas(cluster, DEPLOYMENT)) == 1, 180)
+    applied = deployment_details(cluster, DEPLOYMENT)["deployment_config"]["autoscaling_config"]
+    assert applied["policy"]["policy_function"] == LATENCY_POLICY, applied["policy"]
+    assert applied["policy"]["policy_kwargs"]["ttft_p90_ms"] == policy["ttft_p90_ms"], applied["policy"]
     assert applied["target_ongoing_requests"] == 3
+
+
+def test_a_latency_target_met_keeps_the_count_under_a_load_serves_policy_scales_on(summit_scaling, http):
+    """Changes the model's autoscaling (the module's last tests). `policy: {ttft_p90_ms: 60000, scale_in_below: 0}`:
+    the tiny model's first tokens come in well under a second here, so the target is met and only a scale-out could
+    change the count. Five clients keep 5 requests ongoing: over the `target_ongoing_requests` of 3, the load on which
+    Serve's own policy scaled out above (the control). Serve's exported decision before its bounds
+    (`serve_autoscaling_desired_replicas`) must read 1 in a report whose input (`serve_autoscaling_total_requests`)
+    saw the load (>= 4), and no second replica may be asked for meanwhile. Fails if the latency policy scales on load
+    rather than on the target (Serve's own policy here decides ceil(5 / 3) = 2), or if it was not applied."""
+    from tests.ray_metrics import scrape, total
+
+    apply_latency_policy(summit_scaling, {"ttft_p90_ms": 60_000, "scale_in_below": 0})
+    stop = threading.Event()
+    errors: list[str] = []
+    seen: list[tuple[float, float]] = []  # (total requests, desired replicas) of each scrape
+    replica_counts: list[int] = []
+    labels = {"deployment": DEPLOYMENT, "application": APP}
+
+    def kept_under_load() -> bool:
+        replica_counts.append(len(deployment_details(summit_scaling, DEPLOYMENT)["replicas"]))
+        samples = scrape(summit_scaling)
+        seen.append(
+            (
+                total(samples, "ray_serve_autoscaling_total_requests", **labels),
+                total(samples, "ray_serve_autoscaling_desired_replicas", **labels),
+            )
+        )
+        return seen[-1][0] >= 4
+
+    with ThreadPoolExecutor(5) as pool:
+        workers = [pool.submit(keep_loading, http, stop, set(), errors) for _ in range(5)]
+        try:
+            loaded = wait_for(kept_under_load, 180, 1)
+        finally:
+            stop.set()
+        for w in workers:
+            w.result(timeout=300)
+    assert not errors, f"{len(errors)} requests failed under load, e.g. {errors[:3]}"
+    assert loaded, f"Serve's autoscaler never reported the load (total requests, desired) per scrape: {seen[-10:]}"
+    assert seen[-1][1] == 1, f"the latency policy asked for {seen[-1][1]} replicas with its target met: {seen[-10:]}"
+    assert max(replica_counts) == 1, f"a second replica was asked for with the target met: {replica_counts}"
+
+
+def test_latency_targets_scale_out_past_the_target_and_back_in(summit_scaling, http):
+    """After the test above. `policy: {ttft_p90_ms: 1}`: two clients of long unstreamed requests keep 2 ongoing, under
+    the `target_ongoing_requests` of 3 at which Serve's own policy would ask for another replica; but vLLM's measured
+    p90 time to first token is past 1 ms, so Serve starts a second replica, which must come up running (its engine
+    starts while the first one's crawls: Throttle, as in the target-ongoing test). Once the load ends the replicas
+    measure nothing (p90 0: under `scale_in_below` of the target) and it goes. Fails if the latency policy does not
+    scale out past its target (Serve's own policy would not here) or does not scale back in when idle."""
+    apply_latency_policy(summit_scaling, {"ttft_p90_ms": 1})
+    cores = model_engine_cores(summit_scaling, SCALE)  # the one replica's engine
     stop = threading.Event()
     errors: list[str] = []
 
@@ -234,14 +283,16 @@ def test_latency_targets_scale_out_past_the_target_and_back_in(summit_scaling, h
         workers = [pool.submit(keep_loading, http, stop, set(), errors) for _ in range(2)]
         try:
             asked = wait_for(lambda: len(replicas()) == 2, 300, 1)
-            # the second replica starting (its engine's start under this load is the other scaling test's to see)
-            started = asked and wait_for(lambda: sum(r["state"] != "STOPPING" for r in replicas()) == 2, 60)
+            # a guard against a hang, not a timing claim (see test_scales_up_under_load_and_back_down)
+            with Throttle(cores, run_s=0.05, period_s=0.25):
+                running = asked and wait_for(lambda: len(running_replicas(summit_scaling, DEPLOYMENT)) == 2, 600, 1)
         finally:
             stop.set()
         for w in workers:
             w.result(timeout=300)
     assert not errors, f"{len(errors)} requests failed under load, e.g. {errors[:3]}"
-    assert asked and started, f"Serve started no second replica within 300 s of a TTFT past its target: {replicas()}"
+    assert asked, f"Serve started no second replica within 300 s of a TTFT past its target: {replicas()}"
+    assert running, f"the second replica was not running 600 s after Serve asked for it: {replicas()}"
     assert wait_for(lambda: len(replicas()) == 1 and len(running_replicas(summit_scaling, DEPLOYMENT)) == 1, 180, 1), (
         f"did not go back to 1 replica after the load ended: {replicas()}"
     )

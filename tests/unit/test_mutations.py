@@ -23,6 +23,7 @@ def test_there_are_mutations_for_each_claimed_feature():
         "adapter-tracking-dropped",
         "kv-index-ignored",
         "autoscale-stays",
+        "latency-target-ignored",
         "rate-limit-never-refuses",
         "continuation-not-resumed",
     } <= set(MUTATIONS)
