@@ -6,17 +6,24 @@ chat window, holds nothing up); without HAProxy, open client connections stand f
 
 `serve run` runs in a session of its own, so that the terminal's Ctrl-C reaches this process only: sent to the whole
 process group, it also reached Ray's daemons and workers mid-shutdown, and `serve run` then waited out its 30 s
-shutdown timeout for a controller that could no longer finish."""
+shutdown timeout for a controller that could no longer finish. It runs under a guard (app/clusters/guard.py): when
+this process dies, however (SIGKILL, a closed terminal), the kernel tells the guard, which stops every process the
+server started (Ray's daemons and HAProxy included: they are re-parented to the guard, not to init); and its output
+passes through the guard, so that `summit serve-local ... | tee log` and Ctrl-C (which ends `tee` too) does not
+kill `serve run` by SIGPIPE mid-drain. When the server fails, its Ray session's logs are copied to
+`logs/serve-local-<time>/` before anything is removed."""
 
 from __future__ import annotations
 
 import csv
 import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,6 +31,7 @@ from urllib.parse import urlparse
 
 import psutil
 
+from app.clusters.guard import stop_processes
 from app.clusters.ready import base_url, wait_and_say
 
 _TCP_ESTABLISHED = "01"
@@ -91,22 +99,6 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _stop(procs: list[psutil.Process], grace_s: float = 2.0) -> None:
-    """SIGTERM, then SIGKILL after `grace_s` for what is left."""
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-
-
 def soft_stopping_connections(sock: Path, port: int) -> int:
     """Client connections to `port` still held by HAProxy processes that a reload replaced (Serve reloads HAProxy when
     replicas change: the new process answers the admin socket, the old one finishes its streams and exits, and it has
@@ -140,13 +132,36 @@ def in_flight(port: int, started: float) -> tuple[int, str]:
 _RAY_NODE_TIMED_OUT = b"The current node timed out during startup"
 
 
+def own_haproxy_ports() -> Path | None:
+    """On the direct path, HAProxy's files and ports of this server's own (free ports, a folder under /tmp) unless the
+    environment already names them: Serve's defaults (stats 8404, metrics 9101, fallback proxy 8500 / 9500, the
+    replicas' 30000+ / 40000+) are one set per machine, and a second user's server on a shared node would collide."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or "RAY_SERVE_HAPROXY_STATS_PORT" in os.environ:
+        return None
+    from app.clusters.job_env import haproxy_env
+
+    folder = Path(tempfile.mkdtemp(prefix="summit-", dir="/tmp"))  # short: HAProxy's socket paths
+    os.environ.update(haproxy_env(folder / "h"))
+    return folder
+
+
 def serve_local(config: str, timeout_s: float = 1800) -> int:
     url = base_url(config)
     port = urlparse(url).port or 8000
+    own = own_haproxy_ports()
+    try:
+        return _serve_local(config, url, port, timeout_s)
+    finally:
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+
+
+def _serve_local(config: str, url: str, port: int, timeout_s: float) -> int:
     started = time.time()
     interrupts: list[float] = []
     signal.signal(signal.SIGINT, lambda *_: interrupts.append(time.monotonic()))
     signal.signal(signal.SIGTERM, lambda *_: interrupts.append(time.monotonic()))
+    signal.signal(signal.SIGHUP, lambda *_: interrupts.append(time.monotonic()))  # the terminal closed
     for attempt in (1, 2):
         server, ray_timed_out = _serve_run(config)
         known: dict[int, psutil.Process] = {}  # the server's processes seen so far (Ray's daemons outlive their parent)
@@ -154,17 +169,37 @@ def serve_local(config: str, timeout_s: float = 1800) -> int:
         threading.Thread(target=wait_and_say, args=(url, timeout_s, server.pid, stopping), daemon=True).start()
         _run_until_stopped(server, known, interrupts, port, started)
         known.update({p.pid: p for p in process_tree(server.pid)})
-        _stop([p for p in known.values() if p.is_running()])
+        stop_processes([p for p in known.values() if p.is_running()])
         if attempt == 1 and not interrupts and server.returncode and ray_timed_out.wait(2):
             print("summit: Ray's node did not register in time (a busy machine?); starting again", file=sys.stderr)
             continue
         break
+    if not interrupts and server.returncode:
+        kept = keep_session_logs(started, Path("logs") / time.strftime("serve-local-%Y%m%d-%H%M%S"))
+        if kept is not None:
+            print(f"summit: the server failed; its Ray logs (replicas, engines, controller): {kept}", file=sys.stderr)
     return 0 if interrupts else (server.returncode or 0)
+
+
+def keep_session_logs(started: float, dest: Path) -> Path | None:
+    """Copy the logs of the Ray session this server started (`$RAY_TMPDIR/ray/session_latest`, if it began after
+    `started`) to `dest`; None when there is none."""
+    session = Path(os.environ.get("RAY_TMPDIR") or "/tmp") / "ray" / "session_latest"
+    try:
+        logs = session.resolve() / "logs"
+        if session.resolve().stat().st_mtime < started - 5 or not logs.is_dir():
+            return None
+        shutil.copytree(logs, dest, symlinks=True, ignore_dangling_symlinks=True, dirs_exist_ok=True)
+    except OSError:
+        return None
+    return dest.resolve()
 
 
 def _serve_run(config: str) -> tuple[subprocess.Popen, threading.Event]:
     """`serve run` of the YAML on a fresh local Ray instance, its stderr passed on; the event: Ray's node timed out."""
-    server = subprocess.Popen(["serve", "run", "-a", "local", config], start_new_session=True, stderr=subprocess.PIPE)
+    # under a guard (app/clusters/guard.py): nothing it starts outlives this process, whatever ends it
+    guarded = [sys.executable, "-m", "app.clusters.guard", str(os.getpid()), "--", "serve", "run", "-a", "local"]
+    server = subprocess.Popen([*guarded, config], start_new_session=True, stderr=subprocess.PIPE)
     timed_out = threading.Event()
 
     def pass_on() -> None:
@@ -173,8 +208,11 @@ def _serve_run(config: str) -> tuple[subprocess.Popen, threading.Event]:
             if _RAY_NODE_TIMED_OUT in line:
                 timed_out.set()
             if out is not None:
-                out.write(line)
-                out.flush()
+                try:
+                    out.write(line)
+                    out.flush()
+                except (BrokenPipeError, OSError, ValueError):
+                    out = None  # whoever read our stderr is gone: keep reading for the message above
 
     threading.Thread(target=pass_on, daemon=True).start()
     return server, timed_out

@@ -1,17 +1,22 @@
-"""README command 1 as a user runs it: `bash scripts/serve.sh` in a terminal. It says when the model answers, the
-official client gets an answer, and Ctrl-C with a stream in flight and another client's idle keep-alive connection
-open drains the stream (whole), does not wait for the idle connection, and leaves no process behind.
+"""README command 1 as a user runs it: `bash scripts/serve.sh | tee serve.log` in a terminal. It says when the model
+answers, the official client gets an answer, and Ctrl-C (which ends `tee` too) with a stream in flight and another
+client's idle keep-alive connection open drains the stream (whole), does not wait for the idle connection, and leaves
+no process behind. Killed with SIGKILL, the serving command leaves no process behind either (its guard's
+parent-death signal).
 
 The server gets this test's own Ray temp dir (RAY_TMPDIR), HAProxy files and ports (app/clusters/job_env.haproxy_env)
 and HTTP port (a copy of the shipped YAML), so that it never shares a port with the other test clusters of the run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 import threading
 import time
@@ -26,7 +31,7 @@ import yaml
 from app.clusters.job_env import free_port, haproxy_env
 from app.clusters.local_serve import process_tree
 from tests.conftest import TEST_CLUSTER_ENV
-from tests.cpu.engine_apps import REPO
+from tests.cpu.engine_apps import REPO, wait_for
 from tests.engine_checks import Throttle, titled
 
 MODEL = "tiny-llama"
@@ -87,9 +92,9 @@ class Terminal:
         return self.output[-n:]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    temp = Path(tempfile.mkdtemp(prefix="summit-sc-", dir="/tmp"))  # short: HAProxy's socket path limit
+def server_env(tiny_model_dir, temp: Path) -> tuple[dict[str, str], Path, int]:
+    """A user's environment with this test's own Ray temp dir, HAProxy files and ports, and a copy of the shipped YAML
+    on a free HTTP port: (env, the YAML, the port)."""
     config = yaml.safe_load((REPO / "serve_configs/tiny-cpu.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port
@@ -102,12 +107,40 @@ def served(tiny_model_dir):
         "SUMMIT_TINY_MODEL": str(tiny_model_dir),
         "PYTHONUNBUFFERED": "1",
     }
-    term = Terminal(["bash", "scripts/serve.sh", str(temp / "tiny-cpu.yaml")], env, REPO)
-    processes: dict[int, psutil.Process] = {}
+    return env, temp / "tiny-cpu.yaml", port
+
+
+def processes_of(temp: Path) -> list[psutil.Process]:
+    """Every live process on this machine whose environment names the server's own Ray temp dir (RAY_TMPDIR): the
+    server's, wherever they were re-parented."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("RAY_TMPDIR") == str(temp) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def terminal(argv: list[str], env: dict[str, str], temp: Path):
+    """`argv` in a terminal; whatever a failed test left running is killed after, and the temp dir removed."""
+    term = Terminal(argv, env, REPO)
     try:
-        yield term, port, processes
+        yield term
     finally:
-        for proc in [*processes.values(), *process_tree(term.pid)]:  # what a failed test left running
+        for proc in [*process_tree(term.pid), *processes_of(temp)]:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -118,8 +151,23 @@ def served(tiny_model_dir):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    """README command 1 with its output through `tee`, as a user keeping a log runs it: Ctrl-C reaches `tee` too."""
+    temp = Path(tempfile.mkdtemp(prefix="summit-sc-", dir="/tmp"))  # short: HAProxy's socket path limit
+    env, config, port = server_env(tiny_model_dir, temp)
+    command = f"bash scripts/serve.sh {config} | tee {temp / 'serve.log'}"
+    with terminal(["bash", "-c", command], env, temp) as term:
+        yield term, port, temp
+
+
 def test_serve_command_says_ready_answers_and_ctrl_c_drains_only_requests_in_flight(served):
-    term, port, processes = served
+    """`bash scripts/serve.sh | tee serve.log`, then Ctrl-C with a stream in flight: the terminal's SIGINT ends `tee`
+    as well, and the stream must still end whole (the server's output no longer has a reader: written to a closed
+    pipe, `serve run` would die of SIGPIPE mid-drain) and nothing the server started may be left, wherever it was
+    re-parented (a process with the server's RAY_TMPDIR in its environment), its port free."""
+    term, port, temp = served
+    processes: dict[int, psutil.Process] = {}
     assert term.wait_for_text("summit: ready", 900), term.tail()
     assert f"http://127.0.0.1:{port}/v1 serves {MODEL}" in term.output, term.tail()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -163,8 +211,28 @@ def test_serve_command_says_ready_answers_and_ctrl_c_drains_only_requests_in_fli
     assert chunks, f"the stream in flight at Ctrl-C should end whole; {term.tail()}"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == STREAM_TOKENS, chunks[-1]
-    assert term.wait(120) == 0, term.tail()
+    assert term.wait(120) is not None, term.tail()
     assert "summit: drained; stopping" in term.output, term.tail()
+    assert "summit: ready" in (temp / "serve.log").read_text()  # through tee
     idle.close()
     left = [p for p in processes.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left += [p for p in processes_of(temp) if p.pid not in processes]
     assert not left, f"left running after Ctrl-C: {[(p.pid, p.name()) for p in left]}"
+    assert port_free(port), f"port {port} still taken after Ctrl-C"
+
+
+def test_nothing_outlives_a_killed_serve_command(tiny_model_dir):
+    """`summit serve-local` (what README command 1 runs) SIGKILLed once it serves, as an out-of-memory kill or a
+    `kill -9` would: it gets no chance to stop anything, and the kernel's parent-death signal to its guard must. Within
+    10 s no process with the server's RAY_TMPDIR is left (Ray's daemons, its workers, the engine, HAProxy) and its
+    port is free. Fails without the guard: `serve run` and Ray's daemons live on, re-parented, holding the port."""
+    temp = Path(tempfile.mkdtemp(prefix="summit-sk-", dir="/tmp"))
+    env, config, port = server_env(tiny_model_dir, temp)
+    with terminal([sys.executable, "-m", "app.cli", "serve-local", str(config)], env, temp) as term:
+        assert term.wait_for_text("summit: ready", 900), term.tail()
+        before = processes_of(temp)
+        assert titled(before, "EngineCore") and not port_free(port), [p.name() for p in before]
+        os.kill(term.pid, signal.SIGKILL)
+        gone = wait_for(lambda: not processes_of(temp) and port_free(port), 10, 0.2)
+        left = [(p.pid, p.name()) for p in processes_of(temp)]
+        assert gone, f"left 10 s after the serving command was killed: {left}; port {port} free: {port_free(port)}"
