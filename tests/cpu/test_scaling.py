@@ -13,6 +13,7 @@ engine's max_num_seqs: 4 -> 3), max_ongoing_requests 4, max_queued_requests 2, o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -108,29 +109,37 @@ def keep_loading(http: httpx.Client, stop: threading.Event, answered: set[str], 
             errors.append(f"{r.status_code} {r.text[:200]}")
 
 
+@contextlib.contextmanager
+def loading(http: httpx.Client, clients: int, answered: set[str] | None = None):
+    """`clients` threads of `keep_loading` for the block (who answered into `answered`); yields the list their failed
+    requests go to. The load stops, and every thread has ended, when the block ends."""
+    stop, errors = threading.Event(), []
+    with ThreadPoolExecutor(clients) as pool:
+        workers = [pool.submit(keep_loading, http, stop, answered if answered is not None else set(), errors)
+                   for _ in range(clients)]  # fmt: skip
+        try:
+            yield errors
+        finally:
+            stop.set()
+            for w in workers:
+                w.result(timeout=300)
+
+
 def test_scales_up_under_load_and_back_down(summit_scaling, http):
     deployment = DEPLOYMENT
     assert wait_for(lambda: len(running_replicas(summit_scaling, deployment)) == 1, 60)
     cores = model_engine_cores(summit_scaling, SCALE)  # the one replica's engine
-    stop = threading.Event()
     answered: set[str] = set()
-    errors: list[str] = []
 
-    with ThreadPoolExecutor(5) as pool:  # 5 ongoing against a target of 3, under the 6 one replica admits
-        workers = [pool.submit(keep_loading, http, stop, answered, errors) for _ in range(5)]
-        try:
-            asked = wait_for(lambda: len(deployment_details(summit_scaling, deployment)["replicas"]) == 2, 300, 1)
-            # Serve has asked for a second replica. The load's own engine filled both cores, and a fresh-clone run
-            # (load average 44) saw no new engine ready within 600 s: the first engine now crawls (its requests stay
-            # in flight, so the load Serve sees holds) while the new one starts; a guard against a hang, not a
-            # timing claim.
-            with Throttle(cores, run_s=0.05, period_s=0.25):
-                scaled = asked and wait_for(lambda: len(running_replicas(summit_scaling, deployment)) == 2, 600, 1)
-            served_by_both = scaled and wait_for(lambda: len(answered) == 2, 60, interval_s=1)
-        finally:
-            stop.set()
-        for w in workers:
-            w.result(timeout=180)
+    with loading(http, 5, answered) as errors:  # 5 ongoing against a target of 3, under the 6 one replica admits
+        asked = wait_for(lambda: len(deployment_details(summit_scaling, deployment)["replicas"]) == 2, 300, 1)
+        # Serve has asked for a second replica. The load's own engine filled both cores, and a fresh-clone run
+        # (load average 44) saw no new engine ready within 600 s: the first engine now crawls (its requests stay
+        # in flight, so the load Serve sees holds) while the new one starts; a guard against a hang, not a
+        # timing claim.
+        with Throttle(cores, run_s=0.05, period_s=0.25):
+            scaled = asked and wait_for(lambda: len(running_replicas(summit_scaling, deployment)) == 2, 600, 1)
+        served_by_both = scaled and wait_for(lambda: len(answered) == 2, 60, interval_s=1)
     assert not errors, f"{len(errors)} requests failed under load, e.g. {errors[:3]}"
     assert asked, "Serve asked for no second replica within 300 s of sustained load"
     assert scaled, "the second replica was not running 600 s after Serve asked for it"
@@ -233,8 +242,6 @@ def test_a_latency_target_met_keeps_the_count_under_a_load_serves_policy_scales_
     from tests.ray_metrics import scrape, total
 
     apply_latency_policy(summit_scaling, {"ttft_p90_ms": 60_000, "scale_in_below": 0})
-    stop = threading.Event()
-    errors: list[str] = []
     seen: list[tuple[float, float]] = []  # (total requests, desired replicas) of each scrape
     replica_counts: list[int] = []
     labels = {"deployment": DEPLOYMENT, "application": APP}
@@ -250,14 +257,8 @@ def test_a_latency_target_met_keeps_the_count_under_a_load_serves_policy_scales_
         )
         return seen[-1][0] >= 4
 
-    with ThreadPoolExecutor(5) as pool:
-        workers = [pool.submit(keep_loading, http, stop, set(), errors) for _ in range(5)]
-        try:
-            loaded = wait_for(kept_under_load, 180, 1)
-        finally:
-            stop.set()
-        for w in workers:
-            w.result(timeout=300)
+    with loading(http, 5) as errors:
+        loaded = wait_for(kept_under_load, 180, 1)
     assert not errors, f"{len(errors)} requests failed under load, e.g. {errors[:3]}"
     assert loaded, f"Serve's autoscaler never reported the load (total requests, desired) per scrape: {seen[-10:]}"
     assert seen[-1][1] == 1, f"the latency policy asked for {seen[-1][1]} replicas with its target met: {seen[-10:]}"
@@ -273,23 +274,15 @@ def test_latency_targets_scale_out_past_the_target_and_back_in(summit_scaling, h
     scale out past its target (Serve's own policy would not here) or does not scale back in when idle."""
     apply_latency_policy(summit_scaling, {"ttft_p90_ms": 1})
     cores = model_engine_cores(summit_scaling, SCALE)  # the one replica's engine
-    stop = threading.Event()
-    errors: list[str] = []
 
     def replicas() -> list[dict]:
         return deployment_details(summit_scaling, DEPLOYMENT)["replicas"]
 
-    with ThreadPoolExecutor(2) as pool:
-        workers = [pool.submit(keep_loading, http, stop, set(), errors) for _ in range(2)]
-        try:
-            asked = wait_for(lambda: len(replicas()) == 2, 300, 1)
-            # a guard against a hang, not a timing claim (see test_scales_up_under_load_and_back_down)
-            with Throttle(cores, run_s=0.05, period_s=0.25):
-                running = asked and wait_for(lambda: len(running_replicas(summit_scaling, DEPLOYMENT)) == 2, 600, 1)
-        finally:
-            stop.set()
-        for w in workers:
-            w.result(timeout=300)
+    with loading(http, 2) as errors:
+        asked = wait_for(lambda: len(replicas()) == 2, 300, 1)
+        # a guard against a hang, not a timing claim (see test_scales_up_under_load_and_back_down)
+        with Throttle(cores, run_s=0.05, period_s=0.25):
+            running = asked and wait_for(lambda: len(running_replicas(summit_scaling, DEPLOYMENT)) == 2, 600, 1)
     assert not errors, f"{len(errors)} requests failed under load, e.g. {errors[:3]}"
     assert asked, f"Serve started no second replica within 300 s of a TTFT past its target: {replicas()}"
     assert running, f"the second replica was not running 600 s after Serve asked for it: {replicas()}"
