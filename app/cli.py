@@ -317,7 +317,7 @@ def _sbatch(ns: argparse.Namespace) -> int:
 
     from app.clusters.sbatch import JobSpec, render
 
-    spec = JobSpec(ns.file, ns.gpus_per_node, ns.nodes, ns.partition, ns.time, ns.gpu)
+    spec = JobSpec.from_args(ns)
     try:
         script = render(spec)
     except (ValueError, OSError) as e:
@@ -336,11 +336,12 @@ def _job_env(ns: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
-    from app.clusters.job_env import job_drain_config, job_env, job_serve_config
+    from app.clusters.job_env import job_drain_config, job_env, job_serve_config, yaml_http_options
 
     env = job_env(Path(ns.state_dir))
     job_config = job_serve_config(Path(ns.config), int(env["SUMMIT_HTTP_PORT"]), Path(ns.config_out))
     env["SUMMIT_JOB_CONFIG"] = str(job_config)
+    env["SUMMIT_HTTP_HOST"] = str((yaml_http_options(job_config)).get("host", "127.0.0.1"))
     env["SUMMIT_DRAIN_CONFIG"] = str(job_drain_config(job_config))
     for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")

@@ -172,6 +172,13 @@ def job_serve_config(config: Path, http_port: int, out: Path) -> Path:
     return out
 
 
+def yaml_http_options(config: Path) -> dict:
+    """A Serve YAML's `http_options` ({} when it has none)."""
+    import yaml
+
+    return (yaml.safe_load(config.read_text()) or {}).get("http_options") or {}
+
+
 def job_drain_config(job_config: Path) -> Path:
     """The job's Serve YAML without applications, beside it (`<name>-drain.yaml`): deploying it deletes every
     application gracefully while Serve's proxies stay up. `serve shutdown` would stop the proxies at once, and on the

@@ -14,6 +14,28 @@ def sbatch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default=None, help="SLURM partition (default: the cluster's default)")
     p.add_argument("--time", default="24:00:00", help="the job's time limit (it drains 5 minutes before)")
     p.add_argument("--gpu", default="h100-80gb", help="GPU model for the memory check (summit validate's --gpu)")
+    p.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=None,
+        help="CPUs a node (default: 8 per GPU asked for, at most 32; 4 for CPU engines)",
+    )
+    p.add_argument("--mem", default=None, help="memory a node, as sbatch takes it (e.g. 64G; default: the site's)")
+    p.add_argument(
+        "--exclusive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask for whole nodes (default: only for a job of more than one node)",
+    )
+    p.add_argument(
+        "--batch",
+        default=None,
+        metavar="INPUT",
+        help="an offline batch job instead of a server: run this JSONL file (summit batch) on the allocation, then end",
+    )
+    p.add_argument(
+        "--batch-output", default=None, metavar="OUTPUT", help="the batch's answered lines (default: INPUT.out.jsonl)"
+    )
     p.add_argument("-o", "--output", default=None, help="write the script here (default: print it)")
 
 

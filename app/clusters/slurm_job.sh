@@ -58,16 +58,29 @@ step() {
   TRIES[index]=$((${TRIES[index]:-0} + 1))
 }
 
+# A node's `ray start --block` under a shell that, when it ends (scancel, the time limit, a failure), copies the
+# node's Ray session logs (replicas, engines, controller, HAProxy) to LOG_DIR/ray-logs/<node>/: the node-local
+# STATE_DIR they live in is removed when the job ends. On SIGTERM it copies first (Ray's own stop drains for up to
+# 30 s, longer than SLURM's KillWait before its SIGKILL), then stops Ray.
+# keep: copy this node's Ray session logs and HAProxy's to LOG_DIR/ray-logs/<node>/ (defined here for the batch
+# script's own node, and passed to each node's step shell as text)
+# shellcheck disable=SC2016 # expanded where it runs, on its node
+KEEP_FN='keep() { local d=$LOG_DIR/ray-logs/${SLURMD_NODENAME:-$(hostname -s)} s; for s in "$STATE_DIR"/ray/session_latest /tmp/ray/session_latest; do if [ -d "$s/logs" ]; then mkdir -p "$d" && cp -rL "$s/logs/." "$d/" 2>/dev/null; break; fi; done; if [ -d "$STATE_DIR/haproxy" ]; then mkdir -p "$d/haproxy" && find "$STATE_DIR/haproxy" -type f \( -name "*.log" -o -name "*.cfg" \) -exec cp {} "$d/haproxy/" \; 2>/dev/null; fi; return 0; }'
+eval "$KEEP_FN"
+# shellcheck disable=SC2016
+KEEP_LOGS="$KEEP_FN"'; trap "trap - TERM INT; keep; kill -TERM \$pid 2>/dev/null; wait \$pid; exit 143" TERM INT; "$@" & pid=$!; wait $pid; rc=$?; keep; exit $rc'
+export LOG_DIR STATE_DIR
+
 # Step 0 is the Ray head, step i its worker on nodes[i].
 start_node() {
   local i=$1 node=${NODE_LIST[$1]}
   if [ "$i" = 0 ]; then
-    step 0 "$node" "$LOG_DIR/ray-head.log" srun --nodes=1 --ntasks=1 -w "$node" \
+    step 0 "$node" "$LOG_DIR/ray-head.log" srun --nodes=1 --ntasks=1 -w "$node" bash -c "$KEEP_LOGS" keep-logs \
       ray start --head --block --node-ip-address="$HEAD_IP" --port="$RAY_PORT" --temp-dir="$STATE_DIR/ray" \
       --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" --num-gpus="$GPUS_PER_NODE" "${CPU_ARGS[@]}"
   else
-    step "$i" "$node" "$LOG_DIR/ray-worker-$node.log" srun --nodes=1 --ntasks=1 -w "$node" \
-      ray start --block --address="$HEAD_IP:$RAY_PORT" --node-ip-address="$(node_address "$node")" \
+    step "$i" "$node" "$LOG_DIR/ray-worker-$node.log" srun --nodes=1 --ntasks=1 -w "$node" bash -c "$KEEP_LOGS" \
+      keep-logs ray start --block --address="$HEAD_IP:$RAY_PORT" --node-ip-address="$(node_address "$node")" \
       --num-gpus="$GPUS_PER_NODE" "${CPU_ARGS[@]}"
   fi
 }
@@ -139,6 +152,22 @@ deploy() {
   return 1
 }
 
+# An offline batch job (`summit sbatch --batch`): `summit batch` of BATCH_INPUT on the allocation's Ray, then the end.
+# A line already in BATCH_OUTPUT is skipped: the same script submitted again goes on where a time-out stopped it.
+run_batch() {
+  export BATCH_INPUT BATCH_OUTPUT
+  say "running the batch $BATCH_INPUT on the models of $SERVE_CONFIG; answers in $BATCH_OUTPUT"
+  endpoint running "summit batch $BATCH_INPUT"
+  if run summit batch "$BATCH_INPUT" -o "$BATCH_OUTPUT" --config "$SUMMIT_JOB_CONFIG" --address "$HEAD_IP:$RAY_PORT"; then
+    say "batch done: $BATCH_OUTPUT"
+    endpoint finished "answers in $BATCH_OUTPUT"
+  else
+    say "the batch failed (exit $?); answered lines so far are in $BATCH_OUTPUT, the Ray logs in $LOG_DIR/ray-logs"
+    endpoint failed "summit batch failed; submit the script again to go on"
+    exit 1
+  fi
+}
+
 # Serve replicas still alive (a replica that is draining stays alive until its running requests end).
 live_replicas() {
   ray list actors --address "http://127.0.0.1:$DASHBOARD_PORT" --filter "state=ALIVE" --limit 10000 --format json 2>/dev/null \
@@ -149,15 +178,24 @@ live_replicas() {
 # endpoint STATE [DETAIL]: write endpoint.json (atomically) for whoever waits for the job: a notebook, a script.
 endpoint() {
   [ "$DRY_RUN" = 1 ] && { echo "+ endpoint.json: $1"; return 0; }
-  STATE=$1 DETAIL=${2:-} LOST_NODES="${LOST[*]:-}" python3 - "$ENDPOINT_FILE" <<'PY'
+  STATE=$1 DETAIL=${2:-} LOST_NODES="${LOST[*]:-}" HEAD_IP=$HEAD_IP python3 - "$ENDPOINT_FILE" <<'PY'
 import json, os, sys
 e = os.environ
 port, head = e["SUMMIT_HTTP_PORT"], e["SUMMIT_HEAD"]
-doc = {"job_id": e["JOB_ID"], "state": e["STATE"], "detail": e["DETAIL"] or None, "head": head,
-       "url": f"http://127.0.0.1:{port}/v1 (on {head})",
-       "ssh_tunnel": f"ssh -N -L {port}:127.0.0.1:{port} {head}",
-       "dashboard": f"ssh -N -L {e['DASHBOARD_PORT']}:127.0.0.1:{e['DASHBOARD_PORT']} {head}",
-       "port": int(port), "lost_nodes": e["LOST_NODES"].split()}
+bind = e.get("SUMMIT_HTTP_HOST") or "127.0.0.1"
+dash = e["DASHBOARD_PORT"]
+loopback = bind in ("127.0.0.1", "localhost", "::1")
+doc = {"job_id": e["JOB_ID"], "state": e["STATE"], "detail": e["DETAIL"] or None,
+       # `url` works on the head node and, after `tunnel`, on the machine that ran it; bound beyond loopback (the
+       # YAML's http_options.host), it is the head's address
+       "url": f"http://{'127.0.0.1' if loopback else e['HEAD_IP']}:{port}/v1",
+       "host": head, "head": head, "port": int(port),
+       "tunnel": f"ssh -N -L {port}:127.0.0.1:{port} {head}" if loopback else None,
+       "dashboard_port": int(dash), "dashboard_tunnel": f"ssh -N -L {dash}:127.0.0.1:{dash} {head}",
+       "log_dir": e["LOG_DIR"], "lost_nodes": e["LOST_NODES"].split()}
+for key in ("BATCH_INPUT", "BATCH_OUTPUT"):
+    if e.get(key):
+        doc[key.lower()] = e[key]
 tmp = sys.argv[1] + ".tmp"
 with open(tmp, "w") as f:
     json.dump(doc, f, indent=1)
@@ -213,6 +251,11 @@ drain() {
 
 stop_all() {
   trap - EXIT TERM INT
+  if [ "$DRY_RUN" != 1 ] && [ -d "$STATE_DIR/ray/session_latest/logs" ]; then
+    # this node's Ray logs first: SLURM kills what is left KillWait (default 30 s) after its SIGTERM
+    SLURMD_NODENAME=${SUMMIT_HEAD:-${SLURMD_NODENAME:-}} keep
+    say "Ray logs (replicas, engines, controller, HAProxy) kept in $LOG_DIR/ray-logs"
+  fi
   if [ "${#PIDS[@]}" -gt 0 ]; then
     kill "${PIDS[@]}" 2>/dev/null || true
     wait "${PIDS[@]}" 2>/dev/null || true
@@ -282,7 +325,12 @@ main() {
     start_node "$i"
   done
   wait_for_nodes "${#NODE_LIST[@]}"
-  say "all ${#NODE_LIST[@]} nodes joined; deploying $SERVE_CONFIG"
+  say "all ${#NODE_LIST[@]} nodes joined"
+  if [ -n "${BATCH_INPUT:-}" ]; then
+    run_batch
+    return
+  fi
+  say "deploying $SERVE_CONFIG"
   endpoint starting "deploying $SERVE_CONFIG"
   deploy
   if [ "$DRY_RUN" = 1 ]; then

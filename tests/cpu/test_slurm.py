@@ -1,13 +1,17 @@
-"""The shipped sbatch script on a real SLURM cluster of two nodes (Debian's slurmctld, slurmd and munge; each node a
+"""Summit's sbatch scripts on a real SLURM cluster of two nodes (Debian's slurmctld, slurmd and munge; each node a
 network and PID namespace of its own: tests/slurm_cluster.py), with the tiny CPU config: the job starts the Ray head
 on n1 and a worker on n2, deploys the Serve YAML, writes its endpoint, answers the official OpenAI client; squeue
 shows it; scancel stops every process it started and frees its port. Two jobs on one node get their own ports and
 stop alone; a node lost mid-job is reported in endpoint.json while the job keeps serving; SLURM's signal before the
-time limit drains the job: a running stream ends complete, then the job stops.
+time limit drains the job: a running stream ends complete, then the job stops. The cookbook's one-node recipes
+(docs/deployment/slurm-cookbook.md): a server job written by `summit sbatch` shares its node without `--exclusive`,
+and when its engine is killed, the traceback is in the logs the job keeps (LOG_DIR/ray-logs) after scancel removed
+its node-local state; a batch job written by `summit sbatch --batch` answers every line of its JSONL file and ends.
 
-The job is `cluster_yaml/slurm/summit.sbatch` as shipped, with only sbatch options and environment on the command
+Job `lost` is `cluster_yaml/slurm/summit.sbatch` as shipped, with only sbatch options and environment on the command
 line (docs/deployment/slurm.md shows the same commands): `--nodes=2 --gpus-per-node=0 --cpus-per-task=1
---exclusive=user`, and GPUS_PER_NODE=0, SERVE_CONFIG, SUMMIT_VENV, RAY_AUTH_TOKEN_PATH, SUMMIT_TINY_MODEL.
+--exclusive=user`, and GPUS_PER_NODE=0, SERVE_CONFIG, SUMMIT_VENV, RAY_AUTH_TOKEN_PATH, SUMMIT_TINY_MODEL; the other
+jobs' scripts are written by `summit sbatch` in the test (`--cpus-per-task=1` on the command line: 2-CPU nodes).
 """
 
 from __future__ import annotations
@@ -116,8 +120,11 @@ def submit(
     name: str,
     *options: str,
     config: Path = REPO / "serve_configs/tiny-cpu.yaml",
+    script: Path = REPO / "cluster_yaml/slurm/summit.sbatch",
+    env: dict[str, str] | None = None,
 ) -> Job:
-    """`sbatch` of the shipped script with only sbatch options and environment on the command line."""
+    """`sbatch` of a job script (the shipped one unless given) with only sbatch options and environment on the
+    command line."""
     token = tmp_path / "ray_token"  # one cluster token for the test's jobs (each job's Ray uses it)
     if not token.exists():
         token.write_text(secrets.token_hex(32))
@@ -136,6 +143,7 @@ def submit(
         "START_TRIES": "8",
         "READY_WAIT_S": "600",
         "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+        **(env or {}),
     }
     exports = ",".join(["ALL", *(f"{k}={v}" for k, v in env.items() if k != "PATH")])
     # the job's environment is this one (--export=ALL) without the single-node switch the loopback tests set
@@ -152,7 +160,7 @@ def submit(
             f"--export={exports}",
             f"--chdir={REPO}",
             f"--output={out}",
-            str(REPO / "cluster_yaml/slurm/summit.sbatch"),
+            str(script),
         ],
         capture_output=True,
         text=True,
@@ -171,17 +179,17 @@ def no_job_left(slurm):
     slurm.run("scancel", "--full", "--partition=ci", check=False, timeout=20)
 
 
-def wait_ready(slurm: SlurmCluster, job: Job, timeout_s: float = 900) -> dict:
+def wait_ready(slurm: SlurmCluster, job: Job, timeout_s: float = 900, want: str = "ready") -> dict:
     started = time.monotonic()
     state = None
     while time.monotonic() - started < timeout_s:
         state = job.endpoint()
-        if state and state["state"] in ("ready", "failed", "stopped"):
+        if state and state["state"] in ("ready", "failed", "stopped", "finished"):
             break
         assert job.id in job_ids(slurm), (slurm.jobs(), job.tail())
         time.sleep(3)
-    assert state is not None and state["state"] == "ready", (state, job.tail())
-    print(f"job {job.id}: ready in {time.monotonic() - started:.0f} s; {state['ssh_tunnel']}")
+    assert state is not None and state["state"] == want, (state, job.tail())
+    print(f"job {job.id}: {want} in {time.monotonic() - started:.0f} s; {state.get('tunnel')}")
     return state
 
 
@@ -216,6 +224,29 @@ def wait_gone(slurm: SlurmCluster, job: Job, timeout_s: float = 90) -> None:
     assert not left, f"processes of job {job.id} left: {left}"
 
 
+def written_script(tmp_path: Path, name: str, *args: str) -> Path:
+    """`summit sbatch ARGS -o tmp_path/name`, run from the repository root as the cookbook says."""
+    out = tmp_path / name
+    made = subprocess.run(
+        [sys.executable, "-m", "app.cli", "sbatch", *args, "-o", str(out)], cwd=REPO, capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr
+    return out
+
+
+def engine_failure(logs: Path) -> list[str]:
+    """The Ray log files under `logs` (a session's `logs` folder) that hold a traceback ending in vLLM's
+    EngineDeadError: the replica process's output (`worker-*.out`: vLLM's AsyncLLM output handler) and the
+    controller's failed health checks (`serve/controller_*.log`); relative paths, sorted."""
+    found = []
+    for path in sorted(logs.rglob("*")):
+        if path.is_file() and path.suffix in (".out", ".err", ".log"):
+            text = path.read_text(errors="replace")
+            if "EngineDeadError" in text and ("Traceback" in text or 'File "' in text):
+                found.append(str(path.relative_to(logs)))
+    return found
+
+
 def port_binds(slurm: SlurmCluster, port: int) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
@@ -247,15 +278,20 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
     config_path = tmp_path / "tiny-cpu-drain.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     started = time.monotonic()
-    shared = ("--cpus-per-task=1", "--exclusive=user")
+    # job b: the cookbook's one-node recipe (`summit sbatch` of a config that takes part of a node): no --exclusive
+    one_node = written_script(tmp_path, "b.sbatch", "serve_configs/tiny-cpu.yaml", "--gpus-per-node", "0")
+    assert "#SBATCH --exclusive" not in one_node.read_text()
+    shared = ("--cpus-per-task=1", "--exclusive=user")  # the shipped two-node script asks for whole nodes
     job = submit(slurm, tmp_path, tiny_model_dir, "lost", "--nodes=2", *shared, config=config_path)
-    other = submit(slurm, tmp_path, tiny_model_dir, "b", "--nodes=1", "--nodelist=n1", *shared)
+    other = submit(slurm, tmp_path, tiny_model_dir, "b", "--nodelist=n1", "--cpus-per-task=1", script=one_node)
     state, b = wait_ready(slurm, job), wait_ready(slurm, other)
     print(f"jobs {job.id}, {other.id}: submitted -> ready in {time.monotonic() - started:.0f} s")
     assert squeue_line(slurm, job).split()[1:3] == ["RUNNING", "n[1-2]"], slurm.jobs()  # squeue: both nodes
     assert squeue_line(slurm, other).split()[1:3] == ["RUNNING", "n1"], slurm.jobs()
-    ports = {key: (state[key], b[key]) for key in ("port", "dashboard")}
-    assert state["port"] != b["port"] and state["dashboard"] != b["dashboard"], ports
+    ports = {key: (state[key], b[key]) for key in ("port", "dashboard_port")}
+    assert state["port"] != b["port"] and state["dashboard_port"] != b["dashboard_port"], ports
+    assert (b["url"], b["host"]) == (f"http://127.0.0.1:{b['port']}/v1", "n1"), b
+    assert b["tunnel"] == f"ssh -N -L {b['port']}:127.0.0.1:{b['port']} n1", b
     reply = ask(slurm, state["port"])
     assert reply["tokens"] == 8 and reply["models"] == ["tiny-llama"], reply
     assert ask(slurm, b["port"])["tokens"] == 8
@@ -263,8 +299,40 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
     assert ray_nodes == {"ray-head.log", "ray-worker-n2.log"}, ray_nodes
     assert job_processes(job.id) and job_processes(other.id), "each job's processes carry its SLURM_JOB_ID"
 
+    # b's engine dies (SIGKILL, as the kernel's OOM killer does): its replica logs the traceback; scancel; the job
+    # must have copied those logs to its LOG_DIR before SLURM's KillWait ran out (its node-local Ray temp dir goes)
+    live_logs = Path(f"/tmp/summit-{other.id}/ray/session_latest/logs")
+    (core,) = titled(job_processes(other.id), "EngineCore")
+    core.kill()
+    deadline, failure = time.monotonic() + 120, []
+    while time.monotonic() < deadline and not any(f.startswith("worker-") for f in failure):
+        failure = engine_failure(live_logs)
+        time.sleep(1)
+    assert any(f.startswith("worker-") for f in failure), f"no EngineDeadError traceback in {live_logs}: {failure}"
     slurm.run("scancel", other.id)
     wait_gone(slurm, other)
+    kept = other.logs / "ray-logs" / "n1"
+    assert set(failure) <= set(engine_failure(kept)), f"the kept logs ({kept}) miss the engine's traceback: {failure}"
+    batch_in, batch_out = tmp_path / "batch.jsonl", tmp_path / "batch.out.jsonl"
+    batch_in.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "custom_id": f"line-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"model": "tiny-llama", "prompt": f"Line {i}", "max_tokens": 4},
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
+    # the cookbook's batch recipe, on n1 while job lost runs on
+    batch_script = written_script(
+        tmp_path, "batch.sbatch", "serve_configs/tiny-cpu.yaml", "--gpus-per-node", "0", "--batch", str(batch_in)
+    )
+    batch = submit(slurm, tmp_path, tiny_model_dir, "batch", "--nodelist=n1", "--cpus-per-task=1", script=batch_script)
     assert ask(slurm, state["port"])["tokens"] == 8, "job lost answers after job b on the same node stopped"
     assert port_binds(slurm, b["port"]).returncode == 0, f"job b's port {b['port']} still taken"
 
@@ -336,3 +404,10 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
     final = job.endpoint()
     assert final["state"] == "stopped" and final["detail"].startswith("drained"), final
     assert "draining" in job.out.read_text(), job.tail()
+
+    done = wait_ready(slurm, batch, want="finished")
+    answers = [json.loads(line) for line in batch_out.read_text().splitlines()]
+    assert sorted(a["custom_id"] for a in answers) == [f"line-{i}" for i in range(6)], batch.tail()
+    assert all(a["response"]["status_code"] == 200 for a in answers), answers[:2]
+    assert done["batch_output"] == str(batch_out)
+    wait_gone(slurm, batch)

@@ -264,22 +264,3 @@ def test_405b_fp8_on_four_gpus_fits_h200s_not_h100s_at_tp4_and_at_tp2_pp2():
         **get_preset("llama-3.1-405b"),
         "quantization_config": FP8_QUANTIZATION_CONFIG,
     }
-
-
-def test_the_slurm_recipe_for_405b_fp8_at_tp8_pp2_validates_and_sizes_two_nodes(tmp_path, capsys):
-    """docs/deployment/slurm.md's recipe, as written there: the fp8 file with two pipeline stages validates for two
-    8-GPU H100 nodes and `summit sbatch` asks SLURM for two nodes."""
-    doc = (Path(__file__).parents[2] / "docs/deployment/slurm.md").read_text()
-    assert "sed 's/pipeline_parallel_size: 1/pipeline_parallel_size: 2/' serve_configs/llama405b-fp8.yaml" in doc
-    text = (
-        (CONFIGS / "llama405b-fp8.yaml").read_text().replace("pipeline_parallel_size: 1", "pipeline_parallel_size: 2")
-    )
-    path = tmp_path / "llama405b-fp8-pp2.yaml"
-    path.write_text(text)
-    args = ["--gpu", "h100-80gb", "--gpus-per-node", "8"]
-    assert main(["validate", str(path), *args, "--nodes", "2"]) == 0
-    assert "TP 8 × PP 2" in capsys.readouterr().out
-    assert main(["validate", str(path), *args, "--nodes", "1"]) == 1  # one node is short by 8 GPUs
-    out = tmp_path / "job.sbatch"
-    assert main(["sbatch", str(path), "--gpus-per-node", "8", "--time", "24:00:00", "-o", str(out)]) == 0
-    assert "#SBATCH --nodes=2" in out.read_text()

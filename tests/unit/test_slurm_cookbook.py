@@ -1,0 +1,73 @@
+"""docs/deployment/slurm-cookbook.md as a user types it: every `summit validate` and `summit sbatch` line of the page
+runs (the CLI in-process, from the repository root) and succeeds, and each written script asks SLURM for exactly the
+`#SBATCH` lines the page shows after it (`--exclusive` only where shown). The shipped configs the recipes name are
+sized as the page says (Meta's FP8 checkpoint as fp8 where it is not readable)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.cli import main
+from app.plan.validate import Hardware, validate_doc
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = REPO / "docs/deployment/slurm-cookbook.md"
+SHOWN = ("--nodes=", "--gpus-per-node=", "--cpus-per-task=", "--mem=", "--exclusive", "--time=")
+
+
+def recipes() -> list[tuple[str, list[str] | None]]:
+    """(command, the #SBATCH lines the page shows for it, or None for a validate line), in page order."""
+    blocks = re.findall(r"```(bash|text)\n(.*?)```", PAGE.read_text(), re.S)
+    found: list[tuple[str, list[str] | None]] = []
+    for i, (kind, body) in enumerate(blocks):
+        if kind != "bash":
+            continue
+        for line in body.splitlines():
+            command = line.split("  #", 1)[0].strip()
+            if command.startswith("summit validate"):
+                found.append((command, None))
+            elif command.startswith("summit sbatch"):
+                shown = blocks[i + 1][1] if i + 1 < len(blocks) and blocks[i + 1][0] == "text" else ""
+                found.append((command, [x[len("#SBATCH ") :] for x in shown.splitlines() if x.startswith("#SBATCH ")]))
+    return found
+
+
+def test_the_page_has_the_four_recipes():
+    commands = " ".join(c for c, _ in recipes())
+    for config in ("llama8b.yaml --gpus-per-node 1", "llama70b-tp8.yaml", "llama405b-fp8-2node.yaml", "--batch"):
+        assert config in commands, config
+    assert all(shown for c, shown in recipes() if c.startswith("summit sbatch")), "each sbatch line shows its lines"
+
+
+@pytest.mark.parametrize("command,shown", recipes(), ids=lambda v: v if isinstance(v, str) else "")
+def test_each_command_runs_and_asks_for_what_the_page_shows(command, shown, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    argv = shlex.split(command)[1:]
+    if "-o" in argv:
+        argv[argv.index("-o") + 1] = str(tmp_path / argv[argv.index("-o") + 1])
+    assert main(argv) == 0, capsys.readouterr()
+    if shown is None:
+        assert capsys.readouterr().out.rstrip().endswith(": ok")
+        return
+    script = Path(argv[argv.index("-o") + 1]).read_text()
+    asked = [x[len("#SBATCH ") :] for x in script.splitlines() if x.startswith("#SBATCH ")]
+    assert [x for x in asked if x.startswith(SHOWN)] == shown, asked
+
+
+def test_metas_fp8_checkpoint_is_sized_as_fp8_where_it_cannot_be_read():
+    """The 2-node recipe's `quantization: fbgemm_fp8` (the method the checkpoint's own quantization_config names):
+    sized as fp8 weights from the preset when the path does not exist; without the key, the same file is sized bf16."""
+    doc = yaml.safe_load((REPO / "serve_configs/llama405b-fp8-2node.yaml").read_text())
+    env = {**os.environ, "LLAMA405B_FP8_PATH": "/nonexistent/Meta-Llama-3.1-405B-Instruct-FP8"}
+    report = validate_doc(doc, Hardware("h100-80gb", 8, 2), env=env)
+    assert report.ok and "TP 8 × PP 2, fp8 weights 23.9 GiB" in report.lines[0], report.lines
+    model = doc["applications"][0]["args"]["models"][0]
+    assert model["engine_kwargs"]["quantization"] == "fbgemm_fp8"
+    del model["engine_kwargs"]["quantization"]
+    assert "bf16 weights 47.2 GiB" in validate_doc(doc, Hardware("h100-80gb", 8, 2), env=env).lines[0]
