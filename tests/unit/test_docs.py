@@ -29,6 +29,17 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
+def test_the_docs_check_names_a_subcommand_or_option_the_cli_lacks():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from docs import unknown_cli_names
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    page = "Run `summit sbatch x.yaml --gpus-per-node 8 --nodez 2`, then\n```bash\nsummit launch x.yaml\n```\n"
+    assert unknown_cli_names(page) == ["`summit sbatch --nodez`: no such option", "`summit launch`: no such subcommand"]
+    assert unknown_cli_names("`summit sbatch x.yaml --gpus-per-node 8 --nodes 2`") == []
+
+
 def test_every_option_of_every_subcommand_has_help():
     missing = [
         f"summit {name} {action.option_strings or action.dest}"
@@ -74,13 +85,14 @@ def test_every_quoted_summit_command_exists():
     assert not unknown, unknown
 
 
-def _setup_dry_run(extras: str, tmp_path: Path, installer: str = "uv") -> subprocess.CompletedProcess:
+def _setup_dry_run(extras: str, tmp_path: Path, installer: str = "uv", **more: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "SUMMIT_EXTRAS": extras,
         "SUMMIT_VENV": str(tmp_path / "venv"),
         "SUMMIT_SETUP_DRY_RUN": "1",
         "SUMMIT_INSTALLER": installer,
+        **more,
     }
     return subprocess.run(["bash", "scripts/setup.sh"], cwd=REPO, env=env, capture_output=True, text=True)
 
@@ -93,7 +105,8 @@ def test_summit_extras_gpu_selects_the_gpu_vllm_line(tmp_path):
     for installer in ("uv", "pip"):
         gpu = _setup_dry_run("gpu", tmp_path, installer)
         assert gpu.returncode == 0, gpu.stderr
-        assert re.search(r"pip install .*-e \.\[gpu\]$", gpu.stdout, re.M), gpu.stdout
+        # the tested vLLM unless SUMMIT_VLLM says otherwise
+        assert re.search(r"pip install .*-e \.\[gpu\] vllm==0\.26\.0$", gpu.stdout, re.M), gpu.stdout
         # the CPU line's clean-up of CUDA builds would break a GPU install
         assert "torchvision" not in gpu.stdout and "--excludes" not in gpu.stdout
 
@@ -106,6 +119,27 @@ def test_summit_extras_gpu_selects_the_gpu_vllm_line(tmp_path):
 
     both = _setup_dry_run("cpu,gpu", tmp_path)
     assert both.returncode == 2 and "choose one vLLM line" in both.stderr
+    newer = _setup_dry_run("gpu", tmp_path, SUMMIT_VLLM="vllm>=0.30")
+    assert re.search(r"-e \.\[gpu\] vllm>=0\.30$", newer.stdout, re.M), newer.stdout
+
+
+def test_a_gpu_set_up_refuses_a_cpu_torch_index(tmp_path):
+    run = _setup_dry_run("gpu", tmp_path, PIP_EXTRA_INDEX_URL="https://download.pytorch.org/whl/cpu")
+    assert run.returncode == 2 and "PyTorch's CPU wheels" in run.stderr and "PIP_EXTRA_INDEX_URL" in run.stderr
+    assert "pip install" not in run.stdout
+
+
+def test_summit_extras_none_keeps_the_site_vllm(tmp_path):
+    """`none`: the venv sees the interpreter's own packages and no vLLM is installed; refused (naming the fix) where
+    that interpreter has no vLLM."""
+    kept = _setup_dry_run("none", tmp_path, PYTHON=sys.executable)  # this interpreter has vLLM
+    assert kept.returncode == 0, kept.stderr
+    assert "-m venv --system-site-packages" in kept.stdout
+    assert re.search(r"pip install .*-e \.$", kept.stdout, re.M) and "vllm" not in kept.stdout.split("-e")[-1]
+    bare = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], capture_output=True)
+    assert bare.returncode == 0
+    refused = _setup_dry_run("none", tmp_path, PYTHON=str(tmp_path / "bare/bin/python"))
+    assert refused.returncode == 2 and "module load" in refused.stderr, refused.stderr
 
 
 @pytest.mark.parametrize("script", ["serve.sh", "setup.sh"])
