@@ -379,7 +379,12 @@ def test_prometheus_answers_every_dashboard_query_after_a_known_load(mon_app, cl
         len(ok),
     )
     # no result (None) while a series is stale after a scrape the loaded box missed: not yet, asked again
-    assert wait_for(lambda: (_query(prometheus, GENERATED) or 0.0) - tokens_before == sum(ok) + 3 * 8, 30)
+    assert wait_for(lambda: (_query(prometheus, GENERATED) or 0.0) - tokens_before == sum(ok) + 3 * 8, 30), (
+        _query(prometheus, GENERATED),
+        tokens_before,
+        sum(ok),
+        [status for status, _ in answers],
+    )
     end = time.time() + 5
     time.sleep(5)
     empty = []
