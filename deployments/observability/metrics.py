@@ -9,8 +9,7 @@ load has no disaggregated model; docs/features/disaggregated-prefill.md gives th
   replica, whichever came first) to vLLM's app in the replica receiving it — routing, hops and queueing; the rest of
   a request's life is the engine's (vLLM's TTFT, inter-token and e2e histograms);
 - `summit_routing_decisions`: each routing decision, by model, policy and outcome (affinity `hit`, `spill` to a less
-  loaded replica, `new` key, `recent` (kv_cache: back to the replica that evicted the prompt last), `least_load`
-  without a key, `fallback` when the model had no replica);
+  loaded replica, `new` key, `least_load` without a key, `fallback` when the model had no replica);
 - `summit_pd_phase_seconds`: a disaggregated request's phases on its decode replica (`phase`: prefill,
   first_token, stream), so a slow first token tells whether the prefill pool or the KV load took the time;
 - `summit_overload_rejections`, `summit_client_aborts` (a client that left mid-request: the engine request aborted);
@@ -255,9 +254,8 @@ def routing_decision(model: str | None, policy: str, outcome: str) -> None:
         "counter",
         "summit_routing_decisions",
         "Routing decisions by model, policy and outcome (hit: the affinity "
-        "owner; spill: a less loaded replica than the owner; new: a key seen first; recent: kv_cache, back to the "
-        "replica that evicted the prompt last; least_load: no key; fallback: no replica of the model, any replica "
-        "answers).",
+        "owner; spill: a less loaded replica than the owner; new: a key seen first; least_load: no key; fallback: "
+        "no replica of the model, any replica answers).",
         1,
         {"model": model or "", "policy": policy, "outcome": outcome},
     )

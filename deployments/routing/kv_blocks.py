@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -29,14 +28,6 @@ from typing import Any
 
 GPU, CPU = "GPU", "CPU"
 DEFAULT_CPU_CREDIT = 0.5
-# A block a replica held and evicted within RECENT_S: worth at most RECENT_CREDIT for a whole request, less as it ages
-# and the shorter the run of such blocks; below any block held (1, or the CPU credit), so it only decides between
-# replicas that hold none of the request. Routing such a prompt back to where it last was keeps each prompt on one
-# replica (each replica's cache then holds its share of the prompts, as prefix affinity's table does) instead of
-# scattering evicted prompts by load, where every replica ends up caching every prompt for a while.
-RECENT_S = 600.0
-RECENT_CREDIT = 0.1
-RECENT_ENTRIES = 200_000  # per replica view
 DEFAULT_MAX_BLOCKS = 1_000_000  # per replica: an H100's 8B KV cache is ~30k blocks of 16 tokens
 LOG_ENTRIES = 200_000  # changes kept for routers that fell behind; older cursors get a snapshot
 
@@ -172,58 +163,28 @@ def _key(engine_hash: Any) -> Any:
 
 
 class BlockView:
-    """A router's mirror of one replica's `ReplicaBlocks`, kept current by its change log, and the blocks it held
-    recently (evicted within `RECENT_S`: `recent_credit`)."""
+    """A router's mirror of one replica's `ReplicaBlocks`, kept current by its change log."""
 
-    def __init__(self, clock=time.monotonic):
+    def __init__(self):
         self.epoch: int | None = None
         self.seq = 0
         self.block_size: int | None = None
         self.gpu: set[int] = set()
         self.cpu: set[int] = set()
-        self.recent: OrderedDict[int, float] = OrderedDict()  # content hash -> when it left this replica's cache
-        self._clock = clock
 
     def update(self, reply: Mapping[str, Any]) -> None:
         if reply["reset"]:
-            before = self.gpu | self.cpu
             self.gpu, self.cpu = set(), set()
             for content, medium in reply["blocks"]:
                 self._tier(medium).add(content)
-            self._left(before - self.gpu - self.cpu)
         else:
             for op, content, medium in reply["changes"]:
                 tier = self._tier(medium)
                 if op > 0:
                     tier.add(content)
-                    self.recent.pop(content, None)
                 else:
                     tier.discard(content)
-                    if content not in self.gpu and content not in self.cpu:
-                        self._left((content,))
         self.epoch, self.seq, self.block_size = reply["epoch"], reply["seq"], reply["block_size"] or self.block_size
-
-    def _left(self, contents) -> None:
-        now = self._clock()
-        for content in contents:
-            self.recent[content] = now
-            self.recent.move_to_end(content)
-        while len(self.recent) > RECENT_ENTRIES:
-            self.recent.popitem(last=False)
-
-    def recent_credit(self, hashes: Sequence[int]) -> float:
-        """For a request none of whose leading blocks this replica holds: up to `RECENT_CREDIT`, for the run of its
-        leading blocks evicted here within `RECENT_S` (its share of the request's blocks), less as the first ages."""
-        now, run, first = self._clock(), 0, None
-        for h in hashes:
-            left = self.recent.get(h)
-            if left is None or now - left > RECENT_S:
-                break
-            first = left if first is None else first
-            run += 1
-        if not run:
-            return 0.0
-        return RECENT_CREDIT * (run / len(hashes)) * max(0.0, 1.0 - (now - first) / RECENT_S)
 
     def _tier(self, medium: str) -> set[int]:
         return self.gpu if medium == GPU else self.cpu

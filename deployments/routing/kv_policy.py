@@ -11,7 +11,7 @@ from ray.serve.request_router import RunningReplica
 
 from deployments.http.protocol import HTTPRequest
 from deployments.routing import policies as routing
-from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, RECENT_CREDIT, chain, choose
+from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, chain, choose
 from deployments.routing.kv_follow import KVFollower
 from deployments.routing.kv_tokens import PromptTokens
 
@@ -24,9 +24,7 @@ class KVCachePolicy:
     only in an offload tier counts `cpu_block_credit`), unless it is `imbalance` requests busier than the least
     loaded one. What each engine holds comes from its KV events (`kv_follow.KVFollower`); between a decision and the
     engine's events for it (the prefill), the chosen replica is taken to hold the request's blocks for `CLAIM_S`, so
-    a burst of one new prefix is not spread before its first prefill ends. A request no engine holds any of goes
-    back to the replica that evicted its blocks most recently (within `kv_blocks.RECENT_S`; outcome `recent`),
-    within the same imbalance, else to the least loaded (`new`)."""
+    a burst of one new prefix is not spread before its first prefill ends."""
 
     name = "kv_cache"
     strict = False
@@ -75,12 +73,7 @@ class KVCachePolicy:
             view = self.follower.views.get(rid)
             credit = view.held(hashes, self.cpu_credit) if view is not None else 0.0
             held[rid] = max(credit, self._claimed(hashes, rid, now))
-        if not any(held.values()):  # held nowhere: back where it was evicted from, if that was recently
-            views = {rid: self.follower.views.get(rid) for rid in loads}
-            held = {rid: view.recent_credit(hashes) for rid, view in views.items() if view is not None}
-        chosen, outcome, credit = choose(held, loads, self.imbalance, rng, tie=hashes[0])
-        if 0 < credit <= RECENT_CREDIT and outcome == "hit":
-            outcome = "recent"
+        chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0])
         return chosen, outcome, hashes
 
     def forget_replicas(self, alive: list[str]) -> None:

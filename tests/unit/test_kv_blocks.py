@@ -114,28 +114,3 @@ def test_an_offload_tiers_repeated_announcements_are_counted():
     blocks.apply({"type": "BlockRemoved", "block_hashes": [1], "medium": CPU})
     view.update(blocks.changes(view.epoch, view.seq))
     assert view.held(names) == 0
-
-
-def test_an_evicted_block_is_remembered_for_a_while_then_forgotten():
-    """A block that left both tiers gives its replica a small credit (below any block held) that fades over
-    RECENT_S; stored again, it is held, not recent. Fails if evictions are not remembered (then a prompt evicted
-    everywhere goes by load and every replica ends up caching it)."""
-    from deployments.routing.kv_blocks import RECENT_CREDIT, RECENT_S
-
-    now = [0.0]
-    blocks, view = ReplicaBlocks(), BlockView(clock=lambda: now[0])
-    blocks.apply(stored(list(range(12)), [1, 2, 3]))
-    view.update(blocks.changes(None, 0))
-    names = chain(list(range(12)), BS)
-    assert view.recent_credit(names) == 0.0  # held, not recent
-    blocks.apply({"type": "BlockRemoved", "block_hashes": [1, 2, 3], "medium": GPU})
-    view.update(blocks.changes(view.epoch, view.seq))
-    assert view.held(names) == 0 and view.recent_credit(names) == RECENT_CREDIT  # just evicted, the whole run
-    assert 0 < view.recent_credit(names[:1] + chain([7, 7, 7, 7], BS)) < RECENT_CREDIT  # part of the run
-    now[0] = RECENT_S / 2
-    assert view.recent_credit(names) == RECENT_CREDIT / 2
-    now[0] = RECENT_S + 1
-    assert view.recent_credit(names) == 0.0
-    blocks.apply(stored(list(range(4)), [1]))
-    view.update(blocks.changes(view.epoch, view.seq))
-    assert names[0] not in view.recent and view.held(names) == 1

@@ -399,32 +399,6 @@ def test_kv_cache_sends_a_prompt_to_the_replica_holding_its_longest_prefix(tmp_p
     assert new == {"a", "b", "c"}  # nothing cached anywhere: by load (all idle: any)
 
 
-def test_kv_cache_sends_a_prompt_evicted_everywhere_back_where_it_was_not_by_load(tmp_path):
-    """The overflow case where the engines' blocks and load disagree: no replica holds DOC any more, b evicted it
-    last and is one request busier. The request must go back to b (outcome `recent`, within the imbalance), where
-    prefix affinity would also send it; by load it would go to a. Past the imbalance it goes by load after all."""
-
-    async def scenario():
-        a, b = FakeReplica("a"), FakeReplica("b")
-        router, hold = kv_router(tmp_path, [a, b], imbalance=4)
-        hold(a, "Something else entirely. " * 20)  # a's engine holds other blocks
-        hold(b, DOC)
-        kv = next(p for p in router._policies.values() if p.name == "kv_cache")
-        view_b = kv.follower.views["b"]
-        # b's engine evicts everything (a snapshot without DOC's blocks): the view records when they left
-        view_b.update({"epoch": 1, "seq": 0, "block_size": 16, "reset": True, "blocks": []})
-        assert not view_b.gpu and view_b.recent
-        set_load(router, b, 1)
-        back = [await route(router, completion(DOC + f" Question {q}?")) for q in range(3)]
-        set_load(router, b, 5)
-        by_load = await route(router, completion(DOC + " Later?"))
-        return back, by_load
-
-    back, by_load = asyncio.run(scenario())
-    assert back == ["b"] * 3, "a prompt evicted everywhere should go back to the replica that last held it"
-    assert by_load == "a"
-
-
 def test_kv_cache_keeps_a_lora_adapters_blocks_its_own(tmp_path):
     async def scenario():
         a, b = FakeReplica("a"), FakeReplica("b")
