@@ -54,10 +54,14 @@ _LAST_SESSION_TEST = pytest.StashKey[bool]()
 SLOWEST_FIRST = json.loads((Path(__file__).parent / "module_order.json").read_text())["slowest_first"]
 
 
+LONG_TIER = os.environ.get("SUMMIT_TEST_LONG") == "1"
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The modules that use the session app run first (in their order: test_z_engine_failure, which kills its engine,
     last among them); the session cluster is stopped after its last test instead of idling beside every later
-    module's cluster (≈ 17 % of a core, measured). The other modules follow, slowest first."""
+    module's cluster (≈ 17 % of a core, measured). The other modules follow, slowest first. Tests of the long tier
+    (marked `long`) are skipped unless SUMMIT_TEST_LONG=1."""
     modules: dict = {}
     for item in items:
         modules.setdefault(item.module, []).append(item)
@@ -75,6 +79,11 @@ def pytest_collection_modifyitems(session, config, items):
         name = module.__name__.removeprefix("tests.").replace(".", "/")
         return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
+    if not LONG_TIER:  # reported as skipped, with how to run them
+        long = pytest.mark.skip(reason="the long tier: SUMMIT_TEST_LONG=1 bash scripts/test.sh (tests/README.md)")
+        for it in items:
+            if "long" in it.keywords:
+                it.add_marker(long)
     rest.sort(key=rank)  # stable: the others keep their collection order
     items[:] = [it for m in uses + rest for it in modules[m]]
     last = [it for m in uses for it in modules[m] if SESSION_APP in it.fixturenames][-1:]

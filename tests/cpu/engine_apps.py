@@ -46,13 +46,18 @@ def deployed(
     args: dict | None = None,
     while_waiting=None,
     ready_path: str = "/v1/models",
+    fast_metrics: bool = False,
 ):
     """A private loopback cluster with one app serving `models` (shipped YAML otherwise); stopped by PID after.
     `haproxy`: Serve's HAProxy in front, which puts the app on the direct path; `batch`: keep the YAML's Batch API;
     `args`: more of the app's args (e.g. `monitoring`); `while_waiting(cluster)`: called about once a second until
-    the app is ready; `ready_path`: what answers 200 once it is (`/health` when API keys are on)."""
+    the app is ready; `ready_path`: what answers 200 once it is (`/health` when API keys are on); `fast_metrics`:
+    Ray's metrics every 2 s (LocalCluster.fast_metrics), for a module that reads them."""
     cluster = LocalCluster(
-        num_cpus=num_cpus, env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})}, haproxy=haproxy
+        num_cpus=num_cpus,
+        env={"SUMMIT_TINY_MODEL": str(tiny_model_dir), **(env or {})},
+        haproxy=haproxy,
+        fast_metrics=fast_metrics,
     )
     config = app_config(models, batch, args)
     cluster.serve_config = config  # for a test's redeploy with a change

@@ -73,7 +73,7 @@ def pd_app(tiny_model_dir, kv_dir):
             },
         ),
     ]
-    with deployed(models, tiny_model_dir, haproxy=True) as cluster:
+    with deployed(models, tiny_model_dir, haproxy=True, fast_metrics=True) as cluster:
         # In two full CI runs (never alone) the aggregated model's first completions right after the deploy answered
         # 404 for a while; wait until both models answer one before the tests start (FACTS.md: the 404 is open).
         def both_answer() -> bool:

@@ -292,7 +292,7 @@ def faults(tiny_model_dir):
         {"num_replicas": 2, "max_ongoing_requests": 64, "graceful_shutdown_timeout_s": 120},
         routing={"policy": "prefix_affinity", "prefix_chars": 16},
     )
-    with deployed([model], tiny_model_dir, haproxy=True) as cluster:
+    with deployed([model], tiny_model_dir, haproxy=True, fast_metrics=True) as cluster:
         two_running(cluster)
         yield cluster
     print("\nfault figures:", json.dumps(FIGURES, indent=1))

@@ -28,7 +28,9 @@ from tests.cpu.engine_apps import REPO
 from tests.netns_hosts import OPENAI_CHECK, hosts_problem
 from tests.ssh_cluster import TOOLS, SshCluster
 
-pytestmark = pytest.mark.timeout(1200)
+# the long tier (SUMMIT_TEST_LONG=1): two SSH hosts, the launcher's head and its autoscaler's worker, each a Ray node,
+# cost about as much CPU as the test command's whole session app (tests/README.md)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.long]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,6 +15,9 @@ What runs here, plainly:
   the veth pair (read from Ray's state API), and the replica answers through the OpenAI API;
 - a replica whose plan no node can hold (TP 2 inside one node, nodes of 1 slot) fails the deploy with a message
   naming the missing resource instead of pending without end.
+
+The two-node test is in the long tier (SUMMIT_TEST_LONG=1: two Ray nodes and a compiled two-stage engine, as much CPU
+as a whole app of the test command; tests/README.md); the deploy checks run in every run, on one node of one slot.
 """
 
 from __future__ import annotations
@@ -94,6 +97,17 @@ def two_nodes():
         host.down()
 
 
+@pytest.fixture(scope="module")
+def one_slot_node():
+    """One node of one Ray "GPU" slot, as each of `two_nodes` (no engine starts on it: the deploys are refused)."""
+    cluster = LocalCluster(num_cpus=2, num_gpus=1, env=PLATFORM)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.long
 def test_a_pipeline_parallel_replica_runs_its_stages_on_two_nodes(two_nodes, tiny_model_dir):
     cluster, host = two_nodes
     cluster.serve_deploy(app_config([pipelined_model(MODEL, tiny_model_dir, pipeline_parallel_size=2)]), timeout_s=900)
@@ -141,8 +155,8 @@ def test_a_pipeline_parallel_replica_runs_its_stages_on_two_nodes(two_nodes, tin
     assert_env_has(procs, NO_NVLINK_MULTICAST_ENV)
 
 
-def test_a_replica_no_node_can_hold_fails_naming_the_resource(two_nodes, tiny_model_dir):
-    cluster, _ = two_nodes
+def test_a_replica_no_node_can_hold_fails_naming_the_resource(one_slot_node, tiny_model_dir):
+    cluster = one_slot_node
     model = pipelined_model("tiny-tp2", tiny_model_dir, tensor_parallel_size=2, gpus_per_node=2)
     with pytest.raises(DeployFailed) as failed:
         cluster.serve_deploy(app_config([model], placement_wait_s=2), timeout_s=300)
@@ -151,10 +165,10 @@ def test_a_replica_no_node_can_hold_fails_naming_the_resource(two_nodes, tiny_mo
     assert "lower tensor_parallel_size to 1" in message and "placement_wait_s" in message, message
 
 
-def test_weights_that_are_not_there_fail_the_deploy_before_any_replica_starts(two_nodes, tiny_model_dir, tmp_path):
+def test_weights_that_are_not_there_fail_the_deploy_before_any_replica_starts(one_slot_node, tiny_model_dir, tmp_path):
     """Checked where a replica would load them (a Ray task on a GPU node, for this GPU-shaped model): the deploy fails
     naming the model, the key and the path, and Serve started no replica of it."""
-    cluster, _ = two_nodes
+    cluster = one_slot_node
     empty = tmp_path / "not-a-checkpoint"
     empty.mkdir()
     cases = [("tiny-gone", tmp_path / "nowhere", "does not exist"), ("tiny-empty", empty, "config")]

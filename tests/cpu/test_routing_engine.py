@@ -50,7 +50,7 @@ def summit2(tiny_model_dir, tmp_path_factory):
             SESSION, {"enable_prefix_caching": True}, {"num_replicas": 2}, routing={"policy": "session_affinity"}
         ),
     ]
-    with deployed(models, tiny_model_dir, haproxy=True) as cluster:
+    with deployed(models, tiny_model_dir, haproxy=True, fast_metrics=True) as cluster:
         assert wait_for(lambda: len(running_replicas(cluster, POOL)) == 4, 300)
         assert wait_for(lambda: router_knows_every_replica(cluster), 300, 2), "the router never used both replicas"
         yield cluster

@@ -60,7 +60,7 @@ def scaling_models() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def summit_scaling(tiny_model_dir):
-    with deployed(scaling_models(), tiny_model_dir, env=FAST_METRICS, haproxy=True) as cluster:
+    with deployed(scaling_models(), tiny_model_dir, env=FAST_METRICS, haproxy=True, fast_metrics=True) as cluster:
         yield cluster
 
 

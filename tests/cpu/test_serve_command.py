@@ -222,16 +222,17 @@ def test_serve_command_says_ready_answers_and_ctrl_c_drains_only_requests_in_fli
 
 
 def test_nothing_outlives_a_killed_serve_command(tiny_model_dir):
-    """`summit serve-local` (what README command 1 runs) SIGKILLed once it serves, as an out-of-memory kill or a
-    `kill -9` would: it gets no chance to stop anything, and the kernel's parent-death signal to its guard must. Within
-    10 s no process with the server's RAY_TMPDIR is left (Ray's daemons, its workers, the engine, HAProxy) and its
-    port is free. Fails without the guard: `serve run` and Ray's daemons live on, re-parented, holding the port."""
+    """`summit serve-local` (what README command 1 runs) SIGKILLed while its engine starts (every kind of process it
+    starts is running then: Ray's daemons and workers, Serve's HAProxy holding the port, the replica and its vLLM
+    EngineCore), as an out-of-memory kill or a `kill -9` would: it gets no chance to stop anything, and the kernel's
+    parent-death signal to its guard must. Within 10 s no process with the server's RAY_TMPDIR is left and its port
+    is free. Fails without the guard: `serve run` and Ray's daemons live on, re-parented, holding the port."""
     temp = Path(tempfile.mkdtemp(prefix="summit-sk-", dir="/tmp"))
     env, config, port = server_env(tiny_model_dir, temp)
     with terminal([sys.executable, "-m", "app.cli", "serve-local", str(config)], env, temp) as term:
-        assert term.wait_for_text("summit: ready", 900), term.tail()
+        assert wait_for(lambda: titled(processes_of(temp), "EngineCore") and not port_free(port), 900, 0.5), term.tail()
         before = processes_of(temp)
-        assert titled(before, "EngineCore") and not port_free(port), [p.name() for p in before]
+        assert titled(before, "ServeReplica") and titled(before, "raylet"), [p.name() for p in before]
         os.kill(term.pid, signal.SIGKILL)
         gone = wait_for(lambda: not processes_of(temp) and port_free(port), 10, 0.2)
         left = [(p.pid, p.name()) for p in processes_of(temp)]
