@@ -1,18 +1,15 @@
 """Does routing on the cache pay? Power-of-two (least_load), prefix_affinity and kv_cache on the same loads, one run.
 
-    python bench/routing.py                          # tiny model on CPU, 2 replicas per policy, both loads
-    python bench/routing.py --loads shared           # the shared-prefix load only
+    python bench/routing.py                          # tiny model on CPU, 2 replicas per policy, every load
+    python bench/routing.py --loads multi_turn overflow2x --rounds 2
     python bench/routing.py --kv-cache-tokens 65536  # a cache that holds every prefix on every replica
 
 One app serves the same model three times, `p2c` (Serve's power-of-two choices), `affinity` (PrefixAffinityRouter) and
 `kv` (KVCacheRouter: the engines' own KV events), 2 replicas each (6 engines). Each policy gets the same requests in
-the same order: every request is one system prompt (≥ 256 tokens) followed by a short question, streamed at
-`--concurrency`. Two loads, each with system prompts of its own:
-- `shared`: `--systems` prompts × `--questions` questions; the default KV cache (`--kv-cache-tokens`) holds about two
-  thirds of the prompts on one replica — the case that matters in production, where the prompts in use outnumber
-  what one replica's cache keeps;
-- `overflow`: `--overflow-systems` prompts × `--overflow-questions` questions, which overflow each replica's cache
-  several times over.
+the same order, streamed at `--concurrency`. The loads are bench/routing_loads.py's (shared system prompts, multi-turn
+chats, preambles sharing a long head, hot and cold documents, caches overflowing 2x and 6x), sized against
+`--kv-cache-tokens` (the tiny model's tokenizer: ≈ 1.5 tokens a word); each round draws them anew. The same module
+replays each load through Summit's own decisions with modelled caches: that prediction is printed beside the run.
 Prints, per load and policy, vLLM's own prefix-cache hit rate (`vllm:prefix_cache_hits / queries`, summed over the
 replicas, read from Ray's metrics endpoint), TTFT p50/p99, output tok/s and how requests split over replicas; then
 the ratios to p2c. With `--rounds N` each load runs N rounds, the policies' order alternating, and medians are
@@ -24,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import tempfile
 import time
@@ -35,34 +31,17 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import routing_loads  # noqa: E402
 from bench.loadgen import LoadResult, stream_completion  # noqa: E402
+from deployments.routing.kv_blocks import DEFAULT_LOAD_COST_TOKENS  # noqa: E402
 from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
 from tests.ray_metrics import scrape, settled, total  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 APP = "summit"
 POLICIES = {"p2c": "least_load", "affinity": "prefix_affinity", "kv": "kv_cache"}
-
-
-def system_prompts(n: int, words: int, seed: int = 1000) -> list[str]:
-    """Distinct system prompts, different from their first characters on (the router keys on the leading block)."""
-    from app.clusters.tiny_model import _WORDS
-
-    out = []
-    for i in range(n):
-        rng = random.Random(seed + i)
-        out.append(
-            f"System prompt {i}. You answer as assistant number {i}. "
-            + " ".join(rng.choice(_WORDS) for _ in range(words))
-            + "\n"
-        )
-    return out
-
-
-def workload(systems: list[str], questions: int, seed: int = 0) -> list[str]:
-    prompts = [f"{s}Question {q}: what does rule {q} say?" for s in systems for q in range(questions)]
-    random.Random(seed).shuffle(prompts)
-    return prompts
+TOKENS_PER_WORD = 1.5  # the tiny model's tokenizer on the loads' words (app/clusters/tiny_model.py)
+CPU_BLOCK_TOKENS = 128  # vLLM's KV block on its CPU backend
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
@@ -182,17 +161,7 @@ def median_row(runs: list[dict]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", help="model dir (default: make the tiny model)")
-    p.add_argument("--loads", nargs="+", choices=("shared", "overflow"), default=["shared", "overflow"])
-    p.add_argument("--systems", type=int, default=8, help="shared load: distinct system prompts")
-    p.add_argument(
-        "--system-words",
-        type=int,
-        default=330,
-        help="words per system prompt (≈ 1.5 tokens each on the tiny tokenizer)",
-    )
-    p.add_argument("--questions", type=int, default=16, help="shared load: questions per system prompt")
-    p.add_argument("--overflow-systems", type=int, default=32, help="overflow load: distinct system prompts")
-    p.add_argument("--overflow-questions", type=int, default=4, help="overflow load: questions per system prompt")
+    p.add_argument("--loads", nargs="+", choices=routing_loads.LOADS, default=list(routing_loads.LOADS))
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--replicas", type=int, default=2, help="replicas per policy")
@@ -209,9 +178,25 @@ def main() -> None:
         from app.clusters.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama"))
-    shapes = {
-        "shared": (ns.systems, ns.questions, 1000),
-        "overflow": (ns.overflow_systems, ns.overflow_questions, 5000),
+    cache_words = round(ns.kv_cache_tokens / TOKENS_PER_WORD)
+    # the replay counts a word as a token: the CPU engine's blocks and kv_cache's load cost, in words
+    shape = {
+        "replicas": ns.replicas,
+        "cache_words": cache_words,
+        "block_size": round(CPU_BLOCK_TOKENS / TOKENS_PER_WORD),
+    }
+    predicted = {
+        load: {
+            name: routing_loads.replayed(
+                load,
+                policy,
+                3,
+                **shape,
+                **({"load_cost_tokens": round(DEFAULT_LOAD_COST_TOKENS / TOKENS_PER_WORD)} if name == "kv" else {}),
+            )
+            for name, policy in POLICIES.items()
+        }
+        for load in ns.loads
     }
 
     cluster = LocalCluster(num_cpus=6, env={"SUMMIT_TINY_MODEL": model_dir})
@@ -223,31 +208,14 @@ def main() -> None:
         cluster.serve_deploy(app_config(ns, model_dir), timeout_s=ns.start_timeout)
         print(f"{len(POLICIES) * ns.replicas} engines ready in {time.monotonic() - t0:.0f} s", flush=True)
         for load in ns.loads:
-            n_systems, questions, seed = shapes[load]
             runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
             for round_ in range(ns.rounds):
-                systems = system_prompts(n_systems, ns.system_words, seed + 100_000 * round_)
-                prompts = workload(systems, questions, seed=round_)
-                tokens = [
-                    len(
-                        httpx.post(
-                            cluster.base_url + "/tokenize", json={"model": "p2c", "prompt": s}, timeout=60
-                        ).json()["tokens"]
-                    )
-                    for s in systems
-                ]
-                described[load] = {
-                    "system_prompts": n_systems,
-                    "questions": questions,
-                    "requests": len(prompts),
-                    "system_prompt_tokens": [min(tokens), max(tokens)],
-                    "cache_share": round(ns.kv_cache_tokens / sum(tokens), 3),
-                }
+                drawn = routing_loads.make(load, cache_words, ns.replicas, seed=round_)
+                prompts = drawn.prompts
+                described[load] = {"about": drawn.about, "requests": len(prompts), "replayed_hit_rate": predicted[load]}
                 print(
-                    f"{load} round {round_ + 1}: {n_systems} system prompts of {min(tokens)}-{max(tokens)} tokens x "
-                    f"{questions} questions = {len(prompts)} requests at concurrency {ns.concurrency}; KV cache "
-                    f"{ns.kv_cache_tokens} tokens per replica = {ns.kv_cache_tokens / sum(tokens):.0%} of all system "
-                    "prompts",
+                    f"{load} round {round_ + 1}: {drawn.about}; {len(prompts)} requests at concurrency "
+                    f"{ns.concurrency}; KV cache {ns.kv_cache_tokens} tokens per replica",
                     flush=True,
                 )
                 order = list(POLICIES) if round_ % 2 == 0 else list(reversed(POLICIES))
@@ -265,7 +233,8 @@ def main() -> None:
         for name, f in by_policy.items():
             print(
                 f"{name:<10}{f['hit_rate']:>10.1%}{f['ttft_p50_ms']:>13.1f}{f['ttft_p99_ms']:>13.1f}"
-                f"{f['out_tok_s']:>9.1f}{f['errors']:>8}  {f['requests_per_replica']}"
+                f"{f['out_tok_s']:>9.1f}{f['errors']:>8}  {f['requests_per_replica']}  "
+                f"(replayed: {described[load]['replayed_hit_rate'][name]:.1%})"
             )
         b = by_policy["p2c"]
         for name in ("affinity", "kv"):
@@ -278,7 +247,7 @@ def main() -> None:
             )
     if ns.json:
         rows = [
-            {"peer": f"{POLICIES[name]}", "load": load, **f}
+            {"peer": POLICIES[name], "policy": POLICIES[name], "load": load, **f}
             for load, by_policy in figures.items()
             for name, f in by_policy.items()
         ]

@@ -107,6 +107,13 @@ class RoutingOptions(Strict):
         description="kv_cache: what a cached block held only in an offload tier (CPU memory) counts, against 1 for "
         "one in GPU memory.",
     )
+    load_cost_tokens: int = Field(
+        48,
+        ge=0,
+        description="kv_cache: what one ongoing request costs a replica, in tokens of cached prefix: a replica holding "
+        "that many more of the prompt's tokens than another stays preferred for each request it has above it "
+        "(within imbalance). 0: the replica holding the most, whatever its load within imbalance.",
+    )
     max_tracked: int = Field(
         100_000,
         ge=1,

@@ -13,8 +13,8 @@ Three parts:
   numbers that routers follow (`changes`).
 - `BlockView` (in a router, one per replica): the mirror that the change log keeps current, and how many leading blocks
   of a request it holds.
-- `choose` (the decision): the replica holding the longest cached prefix, unless it is `imbalance` requests busier than
-  the least loaded one, in which case it loses its claim.
+- `choose` (the decision): the replica holding the longest cached prefix, less a load cost for each request it has
+  ongoing above the least-loaded replica, never one `imbalance` requests busier than that.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from typing import Any
 
 GPU, CPU = "GPU", "CPU"
 DEFAULT_CPU_CREDIT = 0.5
+# What one ongoing request costs a replica's claim, in tokens of cached prefix (routing.load_cost_tokens): 3 GPU blocks.
+# The routing replay (bench/routing_loads.py, bench/results/routing-replay-2026-11-29.md), 5 draws of each load, 2
+# replicas, 8 in flight: 0 (the replica holding the most within imbalance) hit 68.0 % of multi-turn chats' blocks and
+# 82.4 % of preambles sharing a head; 48 hit 75.2 % and 90.6 % for -0.4 points on shared prompts; 96 lost 3.6 there.
+DEFAULT_LOAD_COST_TOKENS = 48
 DEFAULT_MAX_BLOCKS = 1_000_000  # per replica: an H100's 8B KV cache is ~30k blocks of 16 tokens
 LOG_ENTRIES = 200_000  # changes kept for routers that fell behind; older cursors get a snapshot
 
@@ -207,23 +212,32 @@ class BlockView:
 
 
 def choose(
-    held: Mapping[str, float], loads: Mapping[str, int], imbalance: int, rng: random.Random, tie: int | None = None
+    held: Mapping[str, float],
+    loads: Mapping[str, int],
+    imbalance: int,
+    rng: random.Random,
+    tie: int | None = None,
+    load_cost: float = 0.0,
 ) -> tuple[str, str, float]:
     """(replica, outcome, credit) for a request whose leading blocks each replica in `loads` holds `held[replica]`
-    of: the one holding the most, unless it is more than `imbalance` requests busier than the least-loaded replica,
-    in which case the claim passes to the best of those within `imbalance`. Outcomes: `hit` (the most-holding replica),
-    `spill` (a replica holding more lost its claim), `new` (no replica within reach holds any block: the least loaded).
-    Ties go to the less loaded, then by `tie` (the request's first block: routers of several ingress replicas agree
-    and a new prefix lands on the same replica from each), else at random."""
+    of: among the replicas within `imbalance` requests of the least-loaded one, the best by its blocks less
+    `load_cost` blocks for each request it has ongoing above the least-loaded replica — a replica holding a few more
+    blocks (a shared system prompt, one turn of a chat) does not draw every request while another idles; one holding
+    a whole document does. Outcomes: `hit` (a replica holding the most blocks anywhere), `spill` (a replica holding
+    more lost the request to load), `new` (no replica within reach holds any block: the least loaded). Ties go to the
+    less loaded, then by `tie` (the request's first block: routers of several ingress replicas agree and a new prefix
+    lands on the same replica from each), else at random."""
     least = min(loads.values())
     within = [r for r in loads if loads[r] - least <= imbalance]
     best_anywhere = max((held.get(r, 0.0) for r in loads), default=0.0)
-    best = max((held.get(r, 0.0) for r in within), default=0.0)
-    if best > 0:
-        top = [r for r in within if held.get(r, 0.0) == best]
+    if max((held.get(r, 0.0) for r in within), default=0.0) > 0:
+        score = {r: held.get(r, 0.0) - load_cost * (loads[r] - least) for r in within}
+        top_score = max(score.values())
+        top = [r for r in within if score[r] == top_score]
         fewest = min(loads[r] for r in top)
         chosen = _pick([r for r in top if loads[r] == fewest], rng, tie)
-        return chosen, "hit" if best == best_anywhere else "spill", best
+        credit = held.get(chosen, 0.0)
+        return chosen, "hit" if credit == best_anywhere else "spill", credit
     idle = [r for r in loads if loads[r] == least]
     return _pick(idle, rng, tie), "spill" if best_anywhere > 0 else "new", 0.0
 

@@ -11,7 +11,7 @@ from ray.serve.request_router import RunningReplica
 
 from deployments.http.protocol import HTTPRequest
 from deployments.routing import policies as routing
-from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, chain, choose
+from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, DEFAULT_LOAD_COST_TOKENS, chain, choose
 from deployments.routing.kv_follow import KVFollower
 from deployments.routing.kv_tokens import PromptTokens
 
@@ -21,8 +21,9 @@ KV_CLAIM_S = 10.0
 
 class KVCachePolicy:
     """To the replica whose engine holds the longest cached prefix of the request's tokens (in GPU memory; a block
-    only in an offload tier counts `cpu_block_credit`), unless it is `imbalance` requests busier than the least
-    loaded one. What each engine holds comes from its KV events (`kv_follow.KVFollower`); between a decision and the
+    only in an offload tier counts `cpu_block_credit`), less `load_cost_tokens` of prefix for each request it has
+    ongoing above the least-loaded replica, and never one `imbalance` requests busier than that (kv_blocks.choose).
+    What each engine holds comes from its KV events (`kv_follow.KVFollower`); between a decision and the
     engine's events for it (the prefill), the chosen replica is taken to hold the request's blocks for `CLAIM_S`, so
     a burst of one new prefix is not spread before its first prefill ends."""
 
@@ -37,10 +38,12 @@ class KVCachePolicy:
         imbalance: int = routing.DEFAULT_IMBALANCE,
         cpu_block_credit: float = DEFAULT_CPU_CREDIT,
         max_tracked: int = routing.DEFAULT_MAX_TRACKED,
+        load_cost_tokens: int = DEFAULT_LOAD_COST_TOKENS,
     ):
         self.tokens = PromptTokens(tokenizer, chat_template)
         self.follower = KVFollower()
         self.imbalance, self.cpu_credit, self.max_tracked = imbalance, cpu_block_credit, max_tracked
+        self.load_cost_tokens = load_cost_tokens
         self._claims: dict[int, tuple[str, float]] = {}  # content hash -> (replica, until)
 
     async def route(
@@ -73,7 +76,8 @@ class KVCachePolicy:
             view = self.follower.views.get(rid)
             credit = view.held(hashes, self.cpu_credit) if view is not None else 0.0
             held[rid] = max(credit, self._claimed(hashes, rid, now))
-        chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0])
+        cost = self.load_cost_tokens / block_size  # in blocks of this engine
+        chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0], load_cost=cost)
         return chosen, outcome, hashes
 
     def forget_replicas(self, alive: list[str]) -> None:

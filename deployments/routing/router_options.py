@@ -17,7 +17,10 @@ _ROUTERS: dict[str, tuple[type[_OnePolicyRouter], set[str]]] = {
     "least_load": (_OnePolicyRouter, {"max_tracked"}),  # Serve's own router on a one-model deployment
     "prefix_affinity": (PrefixAffinityRouter, {"prefix_chars", "imbalance", "max_tracked"}),
     "session_affinity": (SessionAffinityRouter, {"max_tracked"}),
-    "kv_cache": (KVCacheRouter, {"imbalance", "max_tracked", "tokenizer", "chat_template", "cpu_block_credit"}),
+    "kv_cache": (
+        KVCacheRouter,
+        {"imbalance", "max_tracked", "tokenizer", "chat_template", "cpu_block_credit", "load_cost_tokens"},
+    ),
 }
 _ALL_KWARGS = set().union(*(accepted for _, accepted in _ROUTERS.values()))
 

@@ -102,6 +102,20 @@ def test_choose_prefers_the_longest_cached_prefix_within_the_imbalance():
     assert choose({"a": 2, "b": 2}, {"a": 3, "b": 1, "c": 0}, 8, rng)[:2] == ("b", "hit")  # a tie: less loaded
 
 
+def test_choose_weighs_a_replicas_extra_blocks_against_its_extra_load():
+    """With a load cost (blocks per ongoing request above the least loaded), a replica holding only a little more
+    (a chat's last turn beyond the shared system prompt both hold) loses the request to an idle one; a replica holding
+    a whole document more keeps it; the imbalance stays the bound. Without the cost (0) the most-holding replica
+    within the imbalance wins each time."""
+    rng = random.Random(0)
+    a_busy = {"a": 3, "b": 0}
+    assert choose({"a": 22, "b": 20}, a_busy, 8, rng, load_cost=1.0)[:2] == ("b", "spill")  # 22 - 3 < 20
+    assert choose({"a": 22, "b": 20}, a_busy, 8, rng, load_cost=0.0)[:2] == ("a", "hit")
+    assert choose({"a": 40, "b": 0}, {"a": 5, "b": 0}, 8, rng, load_cost=1.0)[:2] == ("a", "hit")  # 40 - 5 > 0
+    assert choose({"a": 40, "b": 0}, {"a": 9, "b": 0}, 8, rng, load_cost=1.0)[:2] == ("b", "spill")  # past 8
+    assert choose({"a": 23, "b": 20}, {"a": 2, "b": 0}, 8, rng, load_cost=1.0)[:2] == ("a", "hit")  # 23 - 2 > 20
+
+
 def test_an_offload_tiers_repeated_announcements_are_counted():
     """vLLM's offloading connector announces a block once per chunk holding it and removes it as often."""
     blocks, view = ReplicaBlocks(), BlockView()

@@ -399,6 +399,25 @@ def test_kv_cache_sends_a_prompt_to_the_replica_holding_its_longest_prefix(tmp_p
     assert new == {"a", "b", "c"}  # nothing cached anywhere: by load (all idle: any)
 
 
+def test_kv_cache_weighs_the_blocks_a_replica_holds_more_against_its_load(tmp_path):
+    """`routing.load_cost_tokens` (tokens of cached prefix one ongoing request costs), counted in the engine's blocks
+    (16 tokens here): a holds the whole document, b a tenth less of it (some blocks, well under 3 x 48 tokens). Idle,
+    a takes the next question; 3 requests busier than b, a's extra blocks are worth less than its load and b takes it
+    (a spill); with the cost off (0, the most-holding replica within the imbalance) a keeps it, however busy."""
+
+    async def scenario(cost: int) -> list[str]:
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router, hold = kv_router(tmp_path / str(cost), [a, b], imbalance=8, load_cost_tokens=cost)
+        hold(a, DOC)
+        hold(b, DOC[: len(DOC) * 9 // 10])
+        idle = await route(router, completion(DOC + " Why?"))
+        set_load(router, a, 3)
+        return [idle, await route(router, completion(DOC + " And then?"))]
+
+    assert asyncio.run(scenario(48)) == ["a", "b"]
+    assert asyncio.run(scenario(0)) == ["a", "a"]
+
+
 def test_kv_cache_keeps_a_lora_adapters_blocks_its_own(tmp_path):
     async def scenario():
         a, b = FakeReplica("a"), FakeReplica("b")
