@@ -3,7 +3,8 @@
 # real-engine CPU suite; GPU tests skip without CUDA). Three pytest workers (SUMMIT_TEST_WORKERS; 0 = one process) on
 # 2 cores: the suite waits on engines, clusters and daemons as much as it computes (2 workers: ~48 min from a fresh
 # clone, 3: 27-29). Each module, and the session app's modules together, run on one worker (tests/conftest.py).
-# SUMMIT_TEST_LONG=1 adds the long tier (tests marked `long`: the launcher, PP across two nodes; tests/README.md).
+# SUMMIT_TEST_LONG=1 adds the long tier (tests marked `long`: the launcher, PP across two nodes, offline batch, ...;
+# tests/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the system packages (apt) beside the Python set-up (pip): neither waits for the other

@@ -14,7 +14,9 @@ from tests.cpu.conftest import MODEL
 from tests.cpu.engine_apps import REPO
 from tests.local_cluster import loopback_env
 
-pytestmark = pytest.mark.timeout(900)
+# the long tier (SUMMIT_TEST_LONG=1: two private Ray clusters and three engines; tests/README.md). Every CI run still
+# runs `summit batch` on a real engine: the SLURM batch job of tests/cpu/test_slurm.py.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]
 
 
 def lines(n: int) -> list[dict]:

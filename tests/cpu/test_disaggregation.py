@@ -474,6 +474,7 @@ def test_a_prefill_engine_killed_with_requests_in_flight_falls_back_to_the_decod
     assert decode_counters(pd_app)["external_hits"] > before["external_hits"]
 
 
+@pytest.mark.long  # three more engines (the long tier, SUMMIT_TEST_LONG=1; tests/README.md)
 def test_models_of_different_shapes_fall_back_to_two_hops(pd_app, tmp_path):
     """The module's cluster, its app redeployed (last: the direct-path tests are done) with models of two shapes and
     the Batch API: the app moves to the two-hop path, as a user's `serve deploy` of the changed YAML moves it.

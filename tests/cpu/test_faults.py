@@ -649,6 +649,7 @@ def test_scale_down_drains_running_streams(faults):
     assert len(after) == 1 and set(after) <= before, (before, after)
 
 
+@pytest.mark.long  # a second set of replicas and engines (the long tier, SUMMIT_TEST_LONG=1; tests/README.md)
 def test_redeploy_with_a_changed_config_drains_running_streams(faults):
     """Last: on the one replica the scale-down left (one engine start, not two). A change of the app's args: Serve's
     code version hashes them, so the replica is replaced and the old one drains."""
