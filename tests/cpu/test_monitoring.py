@@ -299,11 +299,26 @@ def _series(url: str, selector: str) -> dict[tuple, float]:
     return {tuple(sorted(x["metric"].items())): float(x["value"][1]) for x in r["data"]["result"]}
 
 
-def _growth(url: str, selector: str, before: dict[tuple, float]) -> float:
-    """How much the series of `selector` grew since `before`, over the series there now: a series that left
-    (an earlier replica's, when Ray stops exporting a dead process's metrics) does not count as a fall, as it does
-    in `sum(...)` (CI: arrivals 15 after 8 and 8 requests)."""
-    return sum(value - before.get(labels, 0.0) for labels, value in _series(url, selector).items())
+def _growth(url: str, selector: str, since: float) -> float:
+    """How much the counters of `selector` grew after `since` (epoch s), summed over their series as PromQL's
+    increase() counts a counter, without its extrapolation: each series from its last sample at or before `since` (0
+    for a series born after it), a fall read as a restart from 0. A series that left counts what it grew while there;
+    Ray's export was seen restarting a replica's series mid-test (CI: vLLM's generated tokens read 52 after 5,000+)."""
+    r = httpx.get(
+        url + "/api/v1/query_range",
+        params={"query": selector, "start": since - 60, "end": time.time(), "step": 1},
+        timeout=30,
+    ).json()
+    grown = 0.0
+    for series in r["data"]["result"]:
+        points = [(float(t), float(v)) for t, v in series["values"]]
+        last = next((v for t, v in reversed(points) if t <= since), 0.0)
+        for t, v in points:
+            if t <= since:
+                continue
+            grown += v - last if v >= last else v
+            last = v
+    return grown
 
 
 def _peak(url: str, expr: str, since: float) -> float:
@@ -350,7 +365,9 @@ def test_prometheus_answers_every_dashboard_query_after_a_known_load(mon_app, cl
         ) as r:
             next(r.iter_bytes())
         assert wait_for(lambda: aborts() > aborted_before, 60), "the replica never counted the client's leaving"
-    before, tokens_before, arrivals_before = (settled(lambda s=s: _series(prometheus, s)) for s in COUNTS)
+    for selector in COUNTS:  # Ray's export has caught up with what came before (two readings 3 s apart agree)
+        settled(lambda selector=selector: _series(prometheus, selector))
+    since = time.time()
 
     # A burst larger than the replica's bound (8 in the engine, none queued; the rest answered 429) of long answers
     # that outgrow the KV cache (2 x ~700 tokens in 1,024: preemptions), with prompts that share a head (prefix-cache
@@ -381,18 +398,17 @@ def test_prometheus_answers_every_dashboard_query_after_a_known_load(mon_app, cl
     ok = [n for status, n in answers if status == 200]
     assert {status for status, _ in answers} == {200, 429} and len(ok) >= 8, answers
     _run_batch(client)  # three lines of 8 tokens
-    assert wait_for(lambda: _growth(prometheus, E2E, before) == len(ok) + 3, 60), (_series(prometheus, E2E), before, ok)
+    assert wait_for(lambda: _growth(prometheus, E2E, since) == len(ok) + 3, 60), (_growth(prometheus, E2E, since), ok)
     # vLLM's end-to-end count has the batch lines; Summit's arrivals do not: the replica answers a batch line through
     # vLLM's serving objects, past the front that times arrivals (docs/operations/monitoring.md)
-    assert wait_for(lambda: _growth(prometheus, ARRIVALS, arrivals_before) == len(ok), 30), (
-        _series(prometheus, ARRIVALS),
-        arrivals_before,
+    assert wait_for(lambda: _growth(prometheus, ARRIVALS, since) == len(ok), 30), (
+        _growth(prometheus, ARRIVALS, since),
         len(ok),
     )
     # a series missing while stale after a scrape the loaded box missed grows less: not yet, asked again
-    assert wait_for(lambda: _growth(prometheus, GENERATED, tokens_before) == sum(ok) + 3 * 8, 30), (
+    assert wait_for(lambda: _growth(prometheus, GENERATED, since) == sum(ok) + 3 * 8, 30), (
+        _growth(prometheus, GENERATED, since),
         _series(prometheus, GENERATED),
-        tokens_before,
         sum(ok),
         [status for status, _ in answers],
     )
