@@ -166,7 +166,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--replicas", type=int, default=2, help="replicas per policy")
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-tokens", type=int, default=2816, help="KV cache per replica, in tokens")
     p.add_argument("--rounds", type=int, default=1, help="rounds per load (policies' order alternating)")
     p.add_argument("--start-timeout", type=float, default=900)
@@ -199,7 +199,7 @@ def main() -> None:
         for load in ns.loads
     }
 
-    cluster = LocalCluster(num_cpus=6, env={"SUMMIT_TINY_MODEL": model_dir})
+    cluster = LocalCluster(num_cpus=6, env={"SUMMIT_TINY_MODEL": model_dir}, fast_metrics=True)  # read: hit rates
     figures: dict[str, dict[str, dict]] = {}
     described: dict[str, dict] = {}
     try:

@@ -79,7 +79,8 @@ def llama8b_model(model_dirs) -> dict:
 
 @pytest.fixture(scope="session")
 def gpu_cluster():
-    cluster = LocalCluster(num_cpus=8, num_gpus=_cuda_devices(), haproxy=True)  # the direct path
+    # the direct path; test_pd_gpu reads Ray's metrics
+    cluster = LocalCluster(num_cpus=8, num_gpus=_cuda_devices(), haproxy=True, fast_metrics=True)
     try:
         yield cluster.start()
     finally:
