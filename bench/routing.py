@@ -3,6 +3,16 @@
     python bench/routing.py                          # tiny model on CPU, 2 replicas per policy, every load
     python bench/routing.py --loads multi_turn overflow2x --rounds 2
     python bench/routing.py --kv-cache-tokens 65536  # a cache that holds every prefix on every replica
+    python bench/routing.py --accelerator gpu --gpus 1 --rounds 2   # 8B shapes (dummy weights) on a GPU host
+    python bench/routing.py --accelerator gpu --gpus 1 --policies kv kv-offload --loads overflow2x overflow6x
+
+On GPUs each replica is a Llama 3.1 8B shape with random weights (`load_format: dummy`, the tiny tokenizer, eager
+mode for quick starts), its KV cache `--kv-cache-tokens`. Where the host has fewer GPUs than engines (`--gpus`), Ray
+is told there is one GPU per engine and does not set CUDA_VISIBLE_DEVICES: every engine runs on GPU 0, each with
+`--gpu-memory-utilization` of it, and a policy's replicas share its compute (the same for every policy).
+`kv-offload` is kv_cache routing on engines with vLLM's CPU offload tier (`kv_offloading_size: --offload-gib`); its
+rows add vLLM's external (connector) prefix-cache hits and the router's credited offload blocks
+(`summit_routing_offload_blocks`).
 
 One app serves the same model three times, `p2c` (Serve's power-of-two choices), `affinity` (PrefixAffinityRouter) and
 `kv` (KVCacheRouter: the engines' own KV events), 2 replicas each (6 engines). Each policy gets the same requests in
@@ -39,9 +49,24 @@ from tests.ray_metrics import scrape, settled, total  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 APP = "summit"
-POLICIES = {"p2c": "least_load", "affinity": "prefix_affinity", "kv": "kv_cache"}
+POLICIES = {"p2c": "least_load", "affinity": "prefix_affinity", "kv": "kv_cache", "kv-offload": "kv_cache"}
 TOKENS_PER_WORD = 1.5  # the tiny model's tokenizer on the loads' words (app/clusters/tiny_model.py)
-CPU_BLOCK_TOKENS = 128  # vLLM's KV block on its CPU backend
+BLOCK_TOKENS = {"cpu": 128, "gpu": 16}  # vLLM's KV block on its CPU backend and its GPU default
+# every engine process on a GPU host: no NVLink multicast (Summit sets these in its engines too)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def multicast_hits(cluster: LocalCluster) -> list[str]:
+    """The cluster's log files that name NVLink multicast ("mnnvl"), read before it stops (stopping removes them)."""
+    hits = []
+    for path in cluster.temp_dir.rglob("*"):
+        if path.is_file() and path.suffix in (".log", ".out", ".err"):
+            try:
+                if "mnnvl" in path.read_text(errors="replace").lower():
+                    hits.append(str(path.relative_to(cluster.temp_dir)))
+            except OSError:
+                continue
+    return hits
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
@@ -62,17 +87,37 @@ def app_config(ns: argparse.Namespace, model_dir: str) -> dict:
         "enable_prefix_caching": True,
         "kv_cache_memory_bytes": ns.kv_cache_tokens * kv_bytes_per_token(model_dir),
     }
-    config["applications"][0]["args"]["models"] = [
-        {
-            **base,
-            "name": name,
-            "source": model_dir,
-            "engine_kwargs": engine,
-            "deployment": {**base["deployment"], "num_replicas": ns.replicas},
-            "routing": {"policy": policy},
+    deployment = {**base["deployment"], "num_replicas": ns.replicas}
+    if ns.accelerator == "gpu":
+        engine = {
+            "load_format": "dummy",
+            "enforce_eager": True,
+            "gpu_memory_utilization": ns.gpu_memory_utilization,
+            **{k: v for k, v in engine.items() if k != "dtype"},
         }
-        for name, policy in POLICIES.items()
-    ]
+        deployment.pop("num_cpus", None)
+        config["applications"][0]["runtime_env"]["env_vars"] = {
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_worker_niceness": "0",
+            **NO_MULTICAST,
+        }
+    models = []
+    for name in ns.policies:
+        kwargs = dict(engine)
+        if name == "kv-offload":
+            kwargs["kv_offloading_size"] = ns.offload_gib
+        models.append(
+            {
+                **base,
+                "name": name,
+                "source": model_dir,
+                "accelerator": ns.accelerator,
+                "engine_kwargs": kwargs,
+                "deployment": deployment,
+                "routing": {"policy": POLICIES[name]},
+            }
+        )
+    config["applications"][0]["args"]["models"] = models
     return config
 
 
@@ -116,29 +161,60 @@ async def run_policy(
     return LoadResult(concurrency, len(prompts), totals["tokens"], wall, ttfts, totals["errors"]), replicas
 
 
-def cache_totals(cluster: LocalCluster, model: str, replicas: int) -> dict[str, float]:
-    """vLLM's prefix-cache counters of the model's engines, summed, as Ray's metrics endpoint exports them."""
+def counters(cluster: LocalCluster, model: str) -> dict[str, float]:
+    """The model's engines' counters, summed, as Ray's metrics endpoint exports them: requests finished, vLLM's
+    prefix-cache queries and hits (and the external ones: a KV connector's, e.g. the CPU offload tier), and the
+    router's credited offload blocks."""
+    s = scrape(cluster)
+    out = {k: total(s, f"ray_vllm_prefix_cache_{k}_total", model_name=model) for k in ("queries", "hits")}
+    for k in ("queries", "hits"):
+        out[f"external_{k}"] = total(s, f"ray_vllm_external_prefix_cache_{k}_total", model_name=model)
+    out["finished"] = total(s, "ray_vllm_e2e_request_latency_seconds_count", model_name=model)
+    out["offload_blocks"] = total(s, "ray_summit_routing_offload_blocks_total", model=model)
+    return out
 
-    def read() -> dict[str, float]:
-        s = scrape(cluster)
-        return {k: total(s, f"ray_vllm_prefix_cache_{k}_total", model_name=model) for k in ("queries", "hits")}
 
-    return settled(read)
+def counters_including(cluster: LocalCluster, model: str, finished: float, timeout_s: float = 120) -> dict:
+    """`counters` once they count `finished` requests: an engine exports a request's prefix-cache figures with (or
+    before) its finish, so that reading includes every request up to it (no waiting for two equal reads)."""
+    deadline = time.monotonic() + timeout_s
+    now = counters(cluster, model)
+    while now["finished"] < finished and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = counters(cluster, model)
+    if now["finished"] < finished:
+        print(
+            f"  {model}: {now['finished']:.0f} of {finished:.0f} requests counted after {timeout_s:.0f} s", flush=True
+        )
+    return now
 
 
-def measure(cluster: LocalCluster, ns: argparse.Namespace, model: str, prompts: list[str]) -> dict:
-    warm = [f"Warm-up {i}: a short prompt that shares nothing." for i in range(2 * ns.replicas)]
-    asyncio.run(run_policy(cluster.base_url, model, warm, ns.replicas, 4))  # first requests after start are slow
-    before = cache_totals(cluster, model, ns.replicas)
+def measure(cluster: LocalCluster, ns: argparse.Namespace, model: str, prompts: list[str], last: dict) -> dict:
+    """One run of `prompts` on `model`. `last`: each model's counters after its previous run (the first run warms
+    the model's engines first: the first requests after a start are slow)."""
+    if model not in last:
+        start = settled(lambda: counters(cluster, model))
+        warm = [f"Warm-up {i}: a short prompt that shares nothing." for i in range(2 * ns.replicas)]
+        asyncio.run(run_policy(cluster.base_url, model, warm, ns.replicas, 4))
+        last[model] = counters_including(cluster, model, start["finished"] + len(warm))
+    before = last[model]
     result, replicas = asyncio.run(run_policy(cluster.base_url, model, prompts, ns.concurrency, ns.max_tokens))
-    after = cache_totals(cluster, model, ns.replicas)
+    after = counters_including(cluster, model, before["finished"] + len(prompts) - result.errors)
+    if model == "kv-offload":  # the router's counter is exported by another process: one more export period
+        time.sleep(2.5)
+        after = {**after, "offload_blocks": counters(cluster, model)["offload_blocks"]}
+    last[model] = after
     queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    external = after["external_hits"] - before["external_hits"]
     return {
         "result": result,
         "replicas": sorted(replicas.values(), reverse=True),
         "queries": queries,
         "hits": hits,
         "hit_rate": hits / queries if queries else float("nan"),
+        # the offload tier's hits (vLLM counts a connector's as external) and the router's credit from it
+        "external_hit_rate": external / queries if queries else float("nan"),
+        "offload_blocks": after["offload_blocks"] - before["offload_blocks"],
     }
 
 
@@ -146,8 +222,10 @@ def median_row(runs: list[dict]) -> dict:
     """One policy's rounds on one load: the median of each figure."""
     import statistics
 
-    keys = ("out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "hit_rate", "errors")
-    rows = [{**f["result"].row(), "hit_rate": f["hit_rate"]} for f in runs]
+    keys = ("out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "hit_rate", "external_hit_rate", "offload_blocks", "errors")
+    rows = [
+        {**f["result"].row(), **{k: f[k] for k in ("hit_rate", "external_hit_rate", "offload_blocks")}} for f in runs
+    ]
     return {
         **{k: statistics.median(r[k] for r in rows) for k in keys},
         "concurrency": rows[0]["concurrency"],
@@ -171,19 +249,31 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds per load (policies' order alternating)")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=["p2c", "affinity", "kv"])
+    p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--preset", default="llama-3.1-8b", help="GPU: the model shape (random weights)")
+    p.add_argument("--gpus", type=int, default=None, help="GPU: the host's GPUs (default: one per engine)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.14, help="GPU: each engine's share of its GPU")
+    p.add_argument("--offload-gib", type=float, default=8, help="kv-offload: vLLM's CPU tier per engine, GiB")
     ns = p.parse_args()
+    if ns.policies[0] not in ("p2c", "kv"):
+        p.error("--policies: the first is the baseline the others are compared with (p2c, or kv for kv-offload)")
 
     model_dir = ns.model_dir
-    if model_dir is None:
+    if model_dir is None and ns.accelerator == "gpu":
+        from app.clusters.tiny_model import make_model_config
+
+        model_dir = str(make_model_config(ns.preset, Path(tempfile.mkdtemp(prefix="summit-bench-")) / ns.preset))
+    elif model_dir is None:
         from app.clusters.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama"))
     cache_words = round(ns.kv_cache_tokens / TOKENS_PER_WORD)
-    # the replay counts a word as a token: the CPU engine's blocks and kv_cache's load cost, in words
+    # the replay counts a word as a token: the engine's blocks and kv_cache's load cost, in words
     shape = {
         "replicas": ns.replicas,
         "cache_words": cache_words,
-        "block_size": round(CPU_BLOCK_TOKENS / TOKENS_PER_WORD),
+        "block_size": max(1, round(BLOCK_TOKENS[ns.accelerator] / TOKENS_PER_WORD)),
     }
     predicted = {
         load: {
@@ -192,23 +282,42 @@ def main() -> None:
                 policy,
                 3,
                 **shape,
-                **({"load_cost_tokens": round(DEFAULT_LOAD_COST_TOKENS / TOKENS_PER_WORD)} if name == "kv" else {}),
+                **(
+                    {"load_cost_tokens": round(DEFAULT_LOAD_COST_TOKENS / TOKENS_PER_WORD)}
+                    if POLICIES[name] == "kv_cache"
+                    else {}
+                ),
             )
             for name, policy in POLICIES.items()
+            if name in ns.policies
         }
         for load in ns.loads
     }
 
-    cluster = LocalCluster(num_cpus=6, env={"SUMMIT_TINY_MODEL": model_dir}, fast_metrics=True)  # read: hit rates
+    engines = len(ns.policies) * ns.replicas
+    env = {"SUMMIT_TINY_MODEL": model_dir}
+    num_gpus = None
+    if ns.accelerator == "gpu":
+        env.update(NO_MULTICAST)
+        num_gpus = engines if ns.gpus is None else max(engines, ns.gpus)
+        if ns.gpus is not None and ns.gpus < engines:
+            if ns.gpus != 1:
+                p.error(f"--gpus {ns.gpus}: engines share a GPU only on a one-GPU host ({engines} engines)")
+            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # every engine on GPU 0
+    # read: hit rates (Ray's metrics every 2 s)
+    cluster = LocalCluster(num_cpus=6 if ns.accelerator == "cpu" else 12, num_gpus=num_gpus, env=env, fast_metrics=True)
     figures: dict[str, dict[str, dict]] = {}
     described: dict[str, dict] = {}
+    ready_s = None
+    last: dict[str, dict] = {}  # each model's counters after its last run
     try:
         t0 = time.monotonic()
         cluster.start()
         cluster.serve_deploy(app_config(ns, model_dir), timeout_s=ns.start_timeout)
-        print(f"{len(POLICIES) * ns.replicas} engines ready in {time.monotonic() - t0:.0f} s", flush=True)
+        ready_s = round(time.monotonic() - t0, 1)
+        print(f"{engines} engines ready in {ready_s:.0f} s", flush=True)
         for load in ns.loads:
-            runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
+            runs: dict[str, list[dict]] = {name: [] for name in ns.policies}
             for round_ in range(ns.rounds):
                 drawn = routing_loads.make(load, cache_words, ns.replicas, seed=round_)
                 prompts = drawn.prompts
@@ -218,40 +327,67 @@ def main() -> None:
                     f"{ns.concurrency}; KV cache {ns.kv_cache_tokens} tokens per replica",
                     flush=True,
                 )
-                order = list(POLICIES) if round_ % 2 == 0 else list(reversed(POLICIES))
+                order = list(ns.policies) if round_ % 2 == 0 else list(reversed(ns.policies))
                 for name in order:
-                    runs[name].append(measure(cluster, ns, name, prompts))
+                    runs[name].append(measure(cluster, ns, name, prompts, last))
             figures[load] = {name: median_row(r) for name, r in runs.items()}
+            report(ns, load, described[load], figures[load])
+            if ns.json:  # each load as it ends: a run cut short keeps what it measured
+                save(ns, described, figures, ready_s, None)
     finally:
+        multicast = multicast_hits(cluster)
         cluster.stop()
+    print(f"log files naming NVLink multicast (mnnvl): {multicast or 'none'}")
 
-    for load, by_policy in figures.items():
-        print(
-            f"\n{load}: {described[load]}\n{'policy':<10}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}"
-            f"{'tok/s':>9}{'errors':>8}  requests per replica"
-        )
-        for name, f in by_policy.items():
-            print(
-                f"{name:<10}{f['hit_rate']:>10.1%}{f['ttft_p50_ms']:>13.1f}{f['ttft_p99_ms']:>13.1f}"
-                f"{f['out_tok_s']:>9.1f}{f['errors']:>8}  {f['requests_per_replica']}  "
-                f"(replayed: {described[load]['replayed_hit_rate'][name]:.1%})"
-            )
-        b = by_policy["p2c"]
-        for name in ("affinity", "kv"):
-            a = by_policy[name]
-            print(
-                f"{name} / p2c: hit rate {a['hit_rate'] / b['hit_rate']:.2f}x, "
-                f"TTFT p50 {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x, "
-                f"TTFT p99 {a['ttft_p99_ms'] / b['ttft_p99_ms']:.2f}x, "
-                f"tok/s {a['out_tok_s'] / b['out_tok_s']:.2f}x"
-            )
     if ns.json:
-        rows = [
-            {"peer": POLICIES[name], "policy": POLICIES[name], "load": load, **f}
-            for load, by_policy in figures.items()
-            for name, f in by_policy.items()
-        ]
-        Path(ns.json).write_text(json.dumps({"args": vars(ns), "loads": described, "rows": rows}, indent=2))
+        save(ns, described, figures, ready_s, multicast)
+
+
+def report(ns: argparse.Namespace, load: str, about: dict, by_policy: dict[str, dict]) -> None:
+    print(
+        f"\n{load}: {about}\n{'policy':<11}{'hit rate':>10}{'external':>10}{'TTFT p50 ms':>13}"
+        f"{'TTFT p99 ms':>13}{'tok/s':>9}{'errors':>8}  requests per replica",
+        flush=True,
+    )
+    for name, f in by_policy.items():
+        print(
+            f"{name:<11}{f['hit_rate']:>10.1%}{f['external_hit_rate']:>10.1%}{f['ttft_p50_ms']:>13.1f}"
+            f"{f['ttft_p99_ms']:>13.1f}{f['out_tok_s']:>9.1f}{f['errors']:>8}  {f['requests_per_replica']}  "
+            f"(replayed: {about['replayed_hit_rate'][name]:.1%}; offload blocks credited {f['offload_blocks']:.0f})"
+        )
+    base = ns.policies[0]
+    b = by_policy[base]
+    for name in ns.policies[1:]:
+        a = by_policy[name]
+        print(
+            f"{name} / {base}: hit rate {a['hit_rate'] / b['hit_rate']:.2f}x, "
+            f"TTFT p50 {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x, "
+            f"TTFT p99 {a['ttft_p99_ms'] / b['ttft_p99_ms']:.2f}x, "
+            f"tok/s {a['out_tok_s'] / b['out_tok_s']:.2f}x",
+            flush=True,
+        )
+
+
+def save(
+    ns: argparse.Namespace, described: dict, figures: dict, ready_s: float | None, multicast: list[str] | None
+) -> None:
+    rows = [
+        {"peer": name, "policy": POLICIES[name], "load": load, **f}
+        for load, by_policy in figures.items()
+        for name, f in by_policy.items()
+    ]
+    Path(ns.json).write_text(
+        json.dumps(
+            {
+                "args": vars(ns),
+                "loads": described,
+                "engines_ready_s": ready_s,
+                "multicast_in_logs": multicast,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

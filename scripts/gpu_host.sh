@@ -31,6 +31,11 @@
 #   bash scripts/gpu_host.sh sleep SCENARIO [ARGS]  # one GPU, 8B shapes: bench/sleep_swap.py, SCENARIO = sleep
 #                                          # (wake vs cold start, memory asleep / awake; ARGS e.g. --levels 1 2)
 #                                          # | swap (two models share_with on the one GPU, A A B B rounds)
+#   bash scripts/gpu_host.sh routing [ARGS]  # 8B shapes (dummy weights), every engine on GPU 0 of a one-GPU host:
+#                                          # bench/routing.py's loads under least_load / prefix_affinity / kv_cache
+#                                          # (ARGS e.g. --policies kv kv-offload --loads overflow2x; ROUNDS, default 2)
+#   bash scripts/gpu_host.sh autoscale [ARGS]  # 8B shapes, one GPU: latency-target autoscaling's timeline
+#                                          # (bench/autoscale_latency.py)
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -217,5 +222,18 @@ sleep)
   python3 bench/sleep_swap.py --model-dir "$model8b" --accelerator gpu --load-format dummy --scenario "$scenario" \
     "$@" --json "$out/gpu-sleep-$scenario.json" 2>&1 | tee "$out/gpu-sleep-$scenario.log"
   grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits-$scenario.txt" ;;
+routing)
+  shift
+  tag=routing-$(date +%H%M%S)
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+  python3 bench/routing.py --accelerator gpu --gpus "$(nvidia-smi -L | wc -l)" --model-dir "$model8b" \
+    --rounds "${ROUNDS:-2}" "$@" --json "$out/$tag.json" 2>&1 | tee "$out/$tag.log"
+  grep -rli mnnvl /tmp/summit-ray-* 2>/dev/null | head -3 ;;  # left only by a run cut short (it reads its own)
+autoscale)
+  shift
+  tag=autoscale-$(date +%H%M%S)
+  python3 bench/autoscale_latency.py --accelerator gpu --gpus "$(nvidia-smi -L | wc -l)" "$@" \
+    --json "$out/$tag.json" 2>&1 | tee "$out/$tag.log"
+  grep -rli mnnvl /tmp/summit-ray-* 2>/dev/null | head -3 ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

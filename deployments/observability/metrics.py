@@ -3,13 +3,16 @@ exports them (Prometheus names get Ray's `ray_` prefix: `ray_summit_...`), besid
 `EngineMetricsBridge` mirrors there (`ray_vllm_...`, labelled `model_name`, `engine` and `ReplicaId`). Summit's
 carry `model` and `replica` (the Serve replica id) where a replica records them.
 
-What is measured (monitoring/summit-dashboard.json has a panel for each, but the PD phases: the dashboard's test
-load has no disaggregated model; docs/features/disaggregated-prefill.md gives their query):
+What is measured (monitoring/summit-dashboard.json has a panel for each, but the PD phases and the offload credit:
+the dashboard's test load has neither a disaggregated model nor an offload tier; the features' pages give their
+queries):
 - `summit_arrival_to_engine_seconds`: from the request's arrival (at the route picker, the two-hop ingress or the
   replica, whichever came first) to vLLM's app in the replica receiving it — routing, hops and queueing; the rest of
   a request's life is the engine's (vLLM's TTFT, inter-token and e2e histograms);
 - `summit_routing_decisions`: each routing decision, by model, policy and outcome (affinity `hit`, `spill` to a less
   loaded replica, `new` key, `least_load` without a key, `fallback` when the model had no replica);
+- `summit_routing_offload_blocks`: kv_cache routing's credit from vLLM's CPU offload tier (`kv_offloading_size`): blocks
+  of the chosen replica's cached prefix it held only there;
 - `summit_pd_phase_seconds`: a disaggregated request's phases on its decode replica (`phase`: prefill,
   first_token, stream), so a slow first token tells whether the prefill pool or the KV load took the time;
 - `summit_overload_rejections`, `summit_client_aborts` (a client that left mid-request: the engine request aborted);
@@ -258,6 +261,17 @@ def routing_decision(model: str | None, policy: str, outcome: str) -> None:
         "no replica of the model, any replica answers).",
         1,
         {"model": model or "", "policy": policy, "outcome": outcome},
+    )
+
+
+def routing_offload_blocks(model: str | None, blocks: int) -> None:
+    _record(
+        "counter",
+        "summit_routing_offload_blocks",
+        "kv_cache routing: blocks of the chosen replica's cached prefix that it held only in vLLM's CPU offload tier "
+        "(credited routing.cpu_block_credit each), by model.",
+        blocks,
+        {"model": model or ""},
     )
 
 

@@ -210,6 +210,18 @@ class BlockView:
                 break
         return credit
 
+    def offloaded(self, hashes: Sequence[int]) -> int:
+        """Of the request's leading blocks this replica holds (the run `held` credits), how many only in an offload
+        tier."""
+        n = 0
+        for h in hashes:
+            if h in self.gpu:
+                continue
+            if h not in self.cpu:
+                break
+            n += 1
+        return n
+
 
 def choose(
     held: Mapping[str, float],

@@ -10,6 +10,7 @@ import time
 from ray.serve.request_router import RunningReplica
 
 from deployments.http.protocol import HTTPRequest
+from deployments.observability import metrics
 from deployments.routing import policies as routing
 from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, DEFAULT_LOAD_COST_TOKENS, chain, choose
 from deployments.routing.kv_follow import KVFollower
@@ -53,10 +54,12 @@ class KVCachePolicy:
         rng: random.Random,
         replicas: list[RunningReplica],
         lora: str | None = None,
+        model: str | None = None,
     ) -> tuple[str, str, list[int]] | None:
         """(replica, outcome, the request's block hashes) by cached prefix; None when the request has no prompt to
         route on or no replica's blocks are known yet (then: by load). The caller claims the blocks for the replica
-        it finally sends the request to (`claim`)."""
+        it finally sends the request to (`claim`). Blocks of the chosen replica's credited prefix that it holds only
+        in an offload tier are counted (`summit_routing_offload_blocks`, by `model`)."""
         self.follower.follow({r.replica_id.unique_id: r.replica_id.to_full_id_str() for r in replicas})
         block_size = self.follower.block_size()
         if request is None or block_size is None:
@@ -78,6 +81,10 @@ class KVCachePolicy:
             held[rid] = max(credit, self._claimed(hashes, rid, now))
         cost = self.load_cost_tokens / block_size  # in blocks of this engine
         chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0], load_cost=cost)
+        view = self.follower.views.get(chosen)
+        offloaded = view.offloaded(hashes) if view is not None and view.cpu else 0
+        if offloaded:
+            metrics.routing_offload_blocks(model, offloaded)
         return chosen, outcome, hashes
 
     def forget_replicas(self, alive: list[str]) -> None:

@@ -192,7 +192,7 @@ class _SummitRouter(RequestRouter):
             key, base = model, self._policy(_base_model(model, candidate_replicas))
             found = None
             if isinstance(base, KVCachePolicy):
-                found = await base.route(request, loads, self._rng, candidate_replicas, lora=model)
+                found = await base.route(request, loads, self._rng, candidate_replicas, lora=model, model=model)
             if found is not None and found[1] != "new":
                 policy, (chosen, outcome, _) = base, found
             else:
@@ -201,7 +201,7 @@ class _SummitRouter(RequestRouter):
             if found is not None:
                 base.claim(found[2], chosen)
         elif isinstance(policy, KVCachePolicy):
-            found = await policy.route(request, loads, self._rng, candidate_replicas)
+            found = await policy.route(request, loads, self._rng, candidate_replicas, model=model)
             key = None
             if found is None:
                 chosen, outcome = routing.power_of_two(loads, self._rng), "least_load"

@@ -63,9 +63,10 @@ def test_a_block_offloaded_to_cpu_counts_part_until_it_leaves_both_tiers():
     blocks.apply({"type": "BlockRemoved", "block_hashes": [2], "medium": GPU})
     view.update(blocks.changes(None, 0))
     assert view.held(names, cpu_credit=0.5) == 1.5
+    assert view.offloaded(names) == 1  # what summit_routing_offload_blocks counts for a decision on it
     blocks.apply({"type": "BlockRemoved", "block_hashes": [2], "medium": CPU})
     view.update(blocks.changes(view.epoch, view.seq))
-    assert view.held(names) == 1.0
+    assert view.held(names) == 1.0 and view.offloaded(names) == 0
 
 
 def test_a_block_whose_parent_was_missed_is_not_indexed():

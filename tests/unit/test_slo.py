@@ -56,6 +56,21 @@ def test_the_policy_scales_out_on_the_slowest_replica_and_in_when_well_under_eve
     assert only_ttft(ctx(1, ttft_p90_ms={"a": 400.0}, tpot_p90_ms={"a": 1e6}))[0] == 1  # TPOT not a target
 
 
+def test_latency_well_under_target_drops_a_replica_only_when_the_load_fits_on_fewer():
+    """Two replicas keep a heavy load's TTFT at 50 ms (0.1 of the target: under `scale_in_below`); the 16 requests
+    ongoing would not fit on one at its target of 6, so the count stays (dropping it would push TTFT back past the
+    target, and the count would flap); 3 ongoing fit, and it goes. Fails if the policy
+    scales in on latency alone, or never scales in under a light load."""
+    policy = LatencyTargetPolicy(ttft_p90_ms=500)
+    config = SimpleNamespace(target_ongoing_requests=6)
+    heavy = SimpleNamespace(**vars(ctx(2, ttft_p90_ms={"a": 50.0, "b": 40.0})), config=config, total_num_requests=16)
+    light = SimpleNamespace(**vars(ctx(2, ttft_p90_ms={"a": 50.0, "b": 40.0})), config=config, total_num_requests=3)
+    assert policy(heavy)[0] == 2
+    assert policy(light)[0] == 1
+    idle = SimpleNamespace(**vars(ctx(1, ttft_p90_ms={"a": 0.0})), config=config, total_num_requests=0)
+    assert policy(idle)[0] == 0  # an idle model still goes to zero where min_replicas allows
+
+
 def test_the_yaml_targets_become_serves_custom_policy_and_bad_ones_are_named():
     config = autoscaling_config({"min_replicas": 1, "max_replicas": 3, "policy": {"ttft_p90_ms": 800}}, 8, 16)
     assert config["policy"] == {
