@@ -228,12 +228,12 @@ routing)
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
   python3 bench/routing.py --accelerator gpu --gpus "$(nvidia-smi -L | wc -l)" --model-dir "$model8b" \
     --rounds "${ROUNDS:-2}" "$@" --json "$out/$tag.json" 2>&1 | tee "$out/$tag.log"
-  grep -rli mnnvl /tmp/summit-ray-* 2>/dev/null | head -3 ;;  # left only by a run cut short (it reads its own)
+  grep -rli mnnvl /tmp/summit-ray-* 2>/dev/null | head -3 || true ;;  # left only by a run cut short (it reads its own)
 autoscale)
   shift
   tag=autoscale-$(date +%H%M%S)
   python3 bench/autoscale_latency.py --accelerator gpu --gpus "$(nvidia-smi -L | wc -l)" "$@" \
     --json "$out/$tag.json" 2>&1 | tee "$out/$tag.log"
-  grep -rli mnnvl /tmp/summit-ray-* 2>/dev/null | head -3 ;;
+  grep -rli mnnvl /tmp/summit-ray-* 2>/dev/null | head -3 || true ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
