@@ -85,6 +85,12 @@ def _plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(ns: argparse.Namespace) -> int:
+    from app.simulate.run import cli_main
+
+    return cli_main(ns)
+
+
 def _validate(ns: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -177,6 +183,18 @@ def _add_sizing_commands(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node")
     p.add_argument("--nodes", type=int, required=True, help="nodes of the cluster")
     p.set_defaults(func=_validate)
+
+    p = sub.add_parser("simulate", help="a Serve YAML's model under a load, simulated from a measured engine profile")
+    p.add_argument("file", help="the Serve YAML")
+    p.add_argument("--load", required=True, help="the traffic (a YAML: docs/operations/simulate.md)")
+    p.add_argument("--profile", required=True, help="the engine's measured step times (bench/results/profile-*.json)")
+    p.add_argument("--model", default=None, help="which of the YAML's models (default: the first)")
+    p.add_argument("--gpu", default=None, choices=sorted(GPUS_MIB), help="size a GPU model's KV cache for this GPU")
+    p.add_argument("--policy", default=None, help="routing policy instead of the YAML's")
+    p.add_argument("--replicas", type=int, default=None, help="a fixed replica count instead of the YAML's")
+    p.add_argument("--seed", type=int, default=0, help="the routers' random choices (the load has its own `seed`)")
+    p.add_argument("--json", default=None, help="also write the figures and the replicas' timeline here")
+    p.set_defaults(func=_simulate)
 
     p = sub.add_parser("kuberay", help="print a KubeRay RayService whose serveConfigV2 is FILE (a Serve YAML)")
     p.add_argument("file", help="the Serve YAML (becomes serveConfigV2)")

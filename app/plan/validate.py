@@ -109,24 +109,39 @@ def replica_placement(m: ModelConfig) -> PlacementPlan:
     return deployment_options.replica_placement(m)
 
 
-def check_memory(m: ModelConfig, hw: Hardware, env: dict[str, str]) -> tuple[str, str | None]:
-    """(summary line, problem or None) for one GPU model's busiest GPU."""
+def kv_cache_tokens(m: ModelConfig, gpu: str, env: dict[str, str] | None = None) -> int:
+    """What vLLM reports at start as its "GPU KV cache size: N tokens" for one replica of `m` on `gpu`s (the room the
+    weights leave), or what `engine_kwargs.kv_cache_memory_bytes` holds: the KV capacity `summit simulate` models."""
+    return _memory(m, gpu, os.environ if env is None else env)[-1]
+
+
+def _memory(m: ModelConfig, gpu: str, env: dict[str, str]):
     shape, cfg = model_shape(m, env)
     dtype = weight_dtype(m, cfg)
     kv = kv_dtype(m, dtype)
     tokens = m.engine_kwargs.get("max_model_len") or shape.max_position_embeddings
-    if not tokens:
-        return "", f"model {m.name!r}: unknown context length. Fix: set engine_kwargs.max_model_len"
     ek = m.engine_kwargs
     budget = planner.Budget(
-        hw.gpu,
+        gpu,
         ek.get("gpu_memory_utilization", planner.DEFAULT_GPU_UTIL),
         ek.get("max_num_batched_tokens") or 8192,
         m.max_num_seqs,
     )
     tp, pp = m.tensor_parallel_size, m.pipeline_parallel_size
-    use = planner.per_gpu(shape, dtype, kv, tokens, tp, pp, budget)
-    # what vLLM reports at start as its "GPU KV cache size: N tokens": the room the weights leave, in tokens
+    use = planner.per_gpu(shape, dtype, kv, tokens or 1, tp, pp, budget)
+    per_token = planner.per_gpu(shape, dtype, kv, 1, tp, pp, budget).kv
+    kv_tokens = max(0, use.room - use.weights) // per_token
+    if ek.get("kv_cache_memory_bytes"):
+        kv_tokens = int(ek["kv_cache_memory_bytes"]) * tp // per_token
+    return shape, dtype, kv, tokens, budget, use, int(kv_tokens)
+
+
+def check_memory(m: ModelConfig, hw: Hardware, env: dict[str, str]) -> tuple[str, str | None]:
+    """(summary line, problem or None) for one GPU model's busiest GPU."""
+    shape, dtype, kv, tokens, budget, use, kv_tokens = _memory(m, hw.gpu, env)
+    if not tokens:
+        return "", f"model {m.name!r}: unknown context length. Fix: set engine_kwargs.max_model_len"
+    tp, pp = m.tensor_parallel_size, m.pipeline_parallel_size
     kv_tokens = max(0, use.room - use.weights) // planner.per_gpu(shape, dtype, kv, 1, tp, pp, budget).kv
     line = (
         f"{m.name}: TP {tp} × PP {pp}, {dtype} weights {use.weights / planner.GiB:.1f} GiB + {kv} KV "

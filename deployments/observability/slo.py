@@ -5,10 +5,10 @@ token and inter-token latency its engine measured since its last report (`Latenc
 histograms); Serve's controller averages them over `look_back_period_s` and calls `LatencyTargetPolicy` (Serve's
 custom autoscaling policy hook, a class built once with the YAML's targets). The policy compares the slowest
 replica's p90 with each target: above a target it asks for more replicas (the ratio, at most twice as many), below
-`scale_in_below` of every target (an idle model reports 0) it asks for one fewer, provided the requests ongoing
-(running and queued at the handles) fit on one fewer at the deployment's `target_ongoing_requests` (latency well under
-target *because* of the replicas is not a reason to drop one), else it keeps the count. Serve applies min/max replicas
-and its upscale/downscale delays around it.
+`scale_in_below` of every target (an idle model reports 0) it asks for as few as hold the requests ongoing (running and
+queued at the handles) at the deployment's `target_ongoing_requests`, and none fewer while they would not fit on one
+fewer (latency well under target *because* of the replicas is no reason to drop one); else it keeps the count.
+Serve applies min/max replicas and its upscale/downscale delays around it.
 
 Self-contained (stdlib only): Serve pickles this module by value into its controller.
 """
@@ -90,21 +90,22 @@ class LatencyTargetPolicy:
         return replicas
 
     @staticmethod
-    def fits(ctx, replicas: int) -> bool:
-        """Whether the requests ongoing now (Serve's total: running and queued at the handles) fit on `replicas` at
-        the deployment's `target_ongoing_requests` (True where Serve gives neither)."""
+    def fewer(ctx, replicas: int) -> int:
+        """Under every target: as few replicas as hold the requests ongoing now (Serve's total: running and queued at
+        the handles) at the deployment's `target_ongoing_requests`, at most one fewer than now; one fewer where Serve
+        gives neither (Serve's downscale delay and min_replicas apply after)."""
         target = getattr(getattr(ctx, "config", None), "target_ongoing_requests", None)
         total = getattr(ctx, "total_num_requests", None)
         if not target or total is None:
-            return True
-        return total <= replicas * target
+            return max(replicas - 1, 0)
+        return min(replicas - 1, math.ceil(total / target)) if total <= (replicas - 1) * target else replicas
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         pressure = self.pressure(ctx.aggregated_metrics or {})
         replicas = ctx.current_num_replicas
         decision = self.decide(replicas, pressure)
-        if 0 < decision < replicas and not self.fits(ctx, decision):
-            decision = replicas
+        if decision < replicas:
+            decision = self.fewer(ctx, replicas)
         if replicas < ctx.target_num_replicas and pressure > 0:
             # replicas still starting: keep them unless the model went idle (their engines take minutes to start)
             decision = max(decision, ctx.target_num_replicas)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 
 from ray.serve.request_router import RunningReplica
 
 from deployments.http.protocol import HTTPRequest
 from deployments.observability import metrics
 from deployments.routing import policies as routing
-from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, DEFAULT_LOAD_COST_TOKENS, chain, choose
+from deployments.routing.kv_blocks import DEFAULT_CPU_CREDIT, DEFAULT_LOAD_COST_TOKENS, BlockView, chain, choose
 from deployments.routing.kv_follow import KVFollower
 from deployments.routing.kv_tokens import PromptTokens
 
@@ -31,6 +32,7 @@ class KVCachePolicy:
     name = "kv_cache"
     strict = False
     CLAIM_S = KV_CLAIM_S
+    clock = staticmethod(time.monotonic)  # claims' clock (the simulator's own time in app/simulate)
 
     def __init__(
         self,
@@ -73,19 +75,34 @@ class KVCachePolicy:
             hashes.pop()  # its tokens were cut at the character limit
         if not hashes:
             return None
-        now = time.monotonic()
+        chosen, outcome = self.decide(hashes, loads, rng, self.follower.views, block_size, model)
+        return chosen, outcome, hashes
+
+    def decide(
+        self,
+        hashes: list[int],
+        loads: routing.Loads,
+        rng: random.Random,
+        views: Mapping[str, BlockView],
+        block_size: int,
+        model: str | None = None,
+    ) -> tuple[str, str]:
+        """(replica, outcome) for a request whose prompt's blocks are `hashes`, given each replica's cached blocks
+        (`views`, from its engine's KV events) and claims: the decision `route` makes once it has the tokens, and what
+        `summit simulate` calls with its simulated engines' views (app/simulate)."""
+        now = self.clock()
         held = {}
         for rid in loads:
-            view = self.follower.views.get(rid)
+            view = views.get(rid)
             credit = view.held(hashes, self.cpu_credit) if view is not None else 0.0
             held[rid] = max(credit, self._claimed(hashes, rid, now))
         cost = self.load_cost_tokens / block_size  # in blocks of this engine
         chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0], load_cost=cost)
-        view = self.follower.views.get(chosen)
+        view = views.get(chosen)
         offloaded = view.offloaded(hashes) if view is not None and view.cpu else 0
         if offloaded:
             metrics.routing_offload_blocks(model, offloaded)
-        return chosen, outcome, hashes
+        return chosen, outcome
 
     def forget_replicas(self, alive: list[str]) -> None:
         self.follower.forget(alive)
@@ -100,7 +117,7 @@ class KVCachePolicy:
         return float(n)
 
     def claim(self, hashes: list[int], replica: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if len(self._claims) + len(hashes) > self.max_tracked:
             self._claims = {h: c for h, c in self._claims.items() if c[1] >= now}
             if len(self._claims) + len(hashes) > self.max_tracked:

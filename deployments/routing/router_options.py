@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from deployments.routing.routers import (
+    _POLICIES,
     KVCacheRouter,
     ModelPolicyRouter,
     PrefixAffinityRouter,
@@ -74,3 +75,12 @@ def pool_router_options(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "request_routing_stats_period_s": MODEL_STATS_PERIOD_S,
         }
     }
+
+
+def make_policy(policy: str, **kwargs: Any):
+    """The policy object a router of `policy` decides with (`routers._POLICIES`), from the model's routing options
+    (others' dropped as above): what `summit simulate` drives with its simulated replicas (app/simulate/router.py)."""
+    accepted = _policy_kwargs(policy, kwargs)
+    if policy == "least_load":
+        accepted = {}
+    return _POLICIES[policy](**accepted)

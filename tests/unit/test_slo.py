@@ -67,6 +67,8 @@ def test_latency_well_under_target_drops_a_replica_only_when_the_load_fits_on_fe
     light = SimpleNamespace(**vars(ctx(2, ttft_p90_ms={"a": 50.0, "b": 40.0})), config=config, total_num_requests=3)
     assert policy(heavy)[0] == 2
     assert policy(light)[0] == 1
+    after = SimpleNamespace(**vars(ctx(16, ttft_p90_ms={"a": 30.0})), config=config, total_num_requests=7)
+    assert policy(after)[0] == 2
     idle = SimpleNamespace(**vars(ctx(1, ttft_p90_ms={"a": 0.0})), config=config, total_num_requests=0)
     assert policy(idle)[0] == 0  # an idle model still goes to zero where min_replicas allows
 
