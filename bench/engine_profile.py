@@ -36,7 +36,7 @@ def engine(ns: argparse.Namespace, model_dir: str):
         "max_num_seqs": ns.max_num_seqs,
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "enable_prefix_caching": False,
-        "enforce_eager": True,
+        "enforce_eager": ns.eager,
     }
     if ns.accelerator == "cpu":
         # room for every measured batch (the stored kv_tokens is the simulated replica's: --kv-cache-tokens)
@@ -75,6 +75,12 @@ def timed_steps(llm, prompts: list[list[int]], max_tokens: int) -> list[tuple[fl
     return steps
 
 
+def kv_tokens_of(llm) -> int | None:
+    """The engine's KV cache in tokens, as vLLM sized it (GPU blocks x block size)."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return (cache.num_gpu_blocks or 0) * cache.block_size or None
+
+
 def llm_max_seqs(llm) -> int:
     return llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
 
@@ -101,7 +107,7 @@ def measure(llm, ns: argparse.Namespace) -> list[dict]:
             keep(timed_steps(llm, [prompt(n)], 1), "prefill")
         n = top if n < top < 2 * n else 2 * n
     for context in (128, top // 2):
-        for b in sorted({1, 2, max(1, ns.max_num_seqs // 2), ns.max_num_seqs}):
+        for b in ns.decode_batches or sorted({1, 2, max(1, ns.max_num_seqs // 2), ns.max_num_seqs}):
             steps = timed_steps(llm, [prompt(context) for _ in range(b)], ns.decode_tokens)
             keep([s for s in steps if s[1] == 0 and s[2] == b], "decode")
     for b in sorted({1, max(1, ns.max_num_seqs // 2)}):
@@ -125,8 +131,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--start-s", type=float, default=None, help="the replica's cold start to store")
     p.add_argument("--name", default=None)
+    p.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's eager mode (default: on CPU, as the shipped CPU config; off on GPUs: CUDA graphs)",
+    )
+    p.add_argument("--decode-batches", type=int, nargs="+", default=None, help="decoding requests measured")
     p.add_argument("--out", required=True)
     ns = p.parse_args()
+    if ns.eager is None:
+        ns.eager = ns.accelerator == "cpu"
     root = Path(tempfile.mkdtemp(prefix="summit-profile-"))
     if ns.model_dir:
         model_dir = ns.model_dir
@@ -152,7 +167,7 @@ def main() -> None:
         name=ns.name or f"{ns.accelerator}-{Path(model_dir).name}",
         **coef,
         block_size=block,
-        kv_tokens=ns.kv_cache_tokens if ns.accelerator == "cpu" else None,
+        kv_tokens=ns.kv_cache_tokens if ns.accelerator == "cpu" else kv_tokens_of(llm),
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         start_s=ns.start_s if ns.start_s is not None else 60.0,

@@ -36,6 +36,8 @@
 #                                          # (ARGS e.g. --policies kv kv-offload --loads overflow2x; ROUNDS, default 2)
 #   bash scripts/gpu_host.sh autoscale [ARGS]  # 8B shapes, one GPU: latency-target autoscaling's timeline
 #                                          # (bench/autoscale_latency.py)
+#   bash scripts/gpu_host.sh profile [ARGS]    # 8B shapes, one GPU: vLLM's engine step times for summit simulate
+#                                          # (bench/engine_profile.py; CUDA graphs, max_num_seqs 256)
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -229,6 +231,12 @@ routing)
   python3 bench/routing.py --accelerator gpu --gpus "$(nvidia-smi -L | wc -l)" --model-dir "$model8b" \
     --rounds "${ROUNDS:-2}" "$@" --json "$out/$tag.json" 2>&1 | tee "$out/$tag.log"
   grep -rli mnnvl /tmp/summit-ray-* 2>/dev/null | head -3 || true ;;  # left only by a run cut short (it reads its own)
+profile)
+  shift
+  python3 bench/engine_profile.py --accelerator gpu --model-dir "$model8b" --max-num-seqs 256 \
+    --max-num-batched-tokens 8192 --max-model-len 4096 --max-prefill 4000 --decode-batches 1 8 64 256 \
+    --gpu-memory-utilization 0.85 --start-s 83 --name h200-llama-3.1-8b "$@" --out "$out/profile-h200-8b.json" \
+    2>&1 | grep -v "^INFO\|^(EngineCore" | tail -40 | tee "$out/profile.log" ;;
 autoscale)
   shift
   tag=autoscale-$(date +%H%M%S)
