@@ -19,8 +19,9 @@ class ReplicaIndex:
     """A simulated replica's KV index as the runtime keeps it: its engine's events into `ReplicaBlocks`, the router's
     `BlockView` following its change log (kept current at each decision: the runtime's follower polls)."""
 
-    def __init__(self):
+    def __init__(self, capacity_blocks: int | None = None):
         self.blocks, self.view = ReplicaBlocks(), BlockView()
+        self.capacity_blocks = capacity_blocks  # what the replica reports in its routing stats (`kv_blocks`)
 
     def events(self, batch: list[dict]) -> None:
         for event in batch:
@@ -54,7 +55,8 @@ class SimRouter:
             hashes = req.hashes or chain(req.tokens, self.block_size)
             if hashes:
                 views = {rid: indexes[rid].current() for rid in loads if rid in indexes}
-                chosen, outcome = self.policy.decide(hashes, loads, self.rng, views, self.block_size)
+                capacities = {rid: indexes[rid].capacity_blocks for rid in loads if rid in indexes}
+                chosen, outcome = self.policy.decide(hashes, loads, self.rng, views, self.block_size, None, capacities)
                 self.policy.claim(hashes, chosen)
             else:
                 chosen, outcome = routing.power_of_two(loads, self.rng), "least_load"

@@ -40,7 +40,7 @@ class Replica:
     def __init__(self, sim: Simulation, rid: str, ready_at: float):
         self.sim, self.rid, self.ready_at = sim, rid, ready_at
         m = sim.model
-        self.index = ReplicaIndex()
+        self.index = ReplicaIndex(m.kv_tokens // m.block_size)
         self.engine = SimEngine(
             m.kv_tokens // m.block_size, m.block_size, m.max_num_seqs, m.max_num_batched_tokens, self.index.events
         )

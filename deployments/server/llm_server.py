@@ -142,10 +142,14 @@ class LLMServer:
         return self._front
 
     def record_routing_stats(self) -> dict:
-        """What Summit's routers read per replica: the model it serves (a deployment may host several), its LoRA
-        adapters and which of them it has loaded."""
+        """What Summit's routers read per replica: the model it serves (a deployment may host several), its engine's
+        KV-cache blocks, its LoRA adapters and which of them it has loaded."""
         adapters = self._front.table.adapters
         stats: dict = {"model": self.model}
+        engine_app = getattr(self, "_engine_app", None)
+        blocks = engine.kv_cache_blocks(engine_app.engine) if engine_app is not None else None
+        if blocks:  # kv_cache routing: what the engine's cache holds at most (deployments/routing/kv_policy.py)
+            stats["kv_blocks"] = blocks
         if self._sleeper is not None:  # a sleeping replica is available but cold: routers prefer awake ones
             stats["asleep"] = not self._sleeper.awake
         if adapters is None:

@@ -418,6 +418,26 @@ def test_kv_cache_weighs_the_blocks_a_replica_holds_more_against_its_load(tmp_pa
     assert asyncio.run(scenario(0)) == ["a", "a"]
 
 
+def test_kv_cache_sends_a_request_by_load_where_the_holders_cache_would_overflow(tmp_path):
+    """a holds the whole document (~1,070 tokens: 68 blocks of 16) and reports an engine of 100 KV blocks (its routing
+    stats' `kv_blocks`). Idle, a takes a question on it; with one request ongoing on a, a second would not fit beside
+    it (2 x 68 > 100: it would preempt), and the follow-up goes by load to b, an idle replica holding nothing. Without
+    the capacity (a replica that reports none), a keeps it. Fails if the router ignores a full engine's cache."""
+
+    async def scenario(blocks) -> tuple[str, str]:
+        a, b = FakeReplica("a"), FakeReplica("b")
+        if blocks:
+            a.routing_stats = {"kv_blocks": blocks}
+        router, hold = kv_router(tmp_path / str(blocks), [a, b], imbalance=8)
+        hold(a, DOC)
+        first = await route(router, completion(DOC + " First?"))  # the router learns a request's size
+        set_load(router, a, 1)
+        return first, await route(router, completion(DOC + " Why?"))
+
+    assert asyncio.run(scenario(100)) == ("a", "b")
+    assert asyncio.run(scenario(None)) == ("a", "a")
+
+
 def test_kv_cache_keeps_a_lora_adapters_blocks_its_own(tmp_path):
     async def scenario():
         a, b = FakeReplica("a"), FakeReplica("b")
