@@ -263,7 +263,7 @@ def main() -> None:
     out["summary"] = summary(ns, out)
     out["ready_s"] = ready_s
     out["multicast_in_logs"] = multicast
-    print(f"log files naming NVLink multicast (mnnvl): {multicast or 'none'}")
+    print(f"log files naming NVLink multicast: {multicast or 'none'}")
     print(json.dumps(out["summary"], indent=2))
     if ns.json:
         Path(ns.json).write_text(json.dumps({"args": vars(ns), **out}, indent=2))

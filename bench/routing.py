@@ -337,7 +337,7 @@ def main() -> None:
     finally:
         multicast = multicast_hits(cluster)
         cluster.stop()
-    print(f"log files naming NVLink multicast (mnnvl): {multicast or 'none'}")
+    print(f"log files naming NVLink multicast: {multicast or 'none'}")
 
     if ns.json:
         save(ns, described, figures, ready_s, multicast)
