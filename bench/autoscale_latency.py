@@ -21,7 +21,6 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,8 +28,15 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.engines import (  # noqa: E402
+    GPU_APP_ENV,
+    gpu_cluster_env,
+    gpu_engine,
+    kv_bytes_per_token,
+    model_dir_for,
+    multicast_hits,
+)
 from bench.loadgen import stream_completion  # noqa: E402
-from bench.routing import NO_MULTICAST, kv_bytes_per_token, multicast_hits  # noqa: E402
 from tests.cpu.engine_apps import deployment_details  # noqa: E402
 from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
 
@@ -52,19 +58,10 @@ def app_config(ns: argparse.Namespace, model_dir: str) -> dict:
     engine = {**base["engine_kwargs"], "max_model_len": ns.max_model_len, "max_num_seqs": ns.max_num_seqs}
     deployment = {k: v for k, v in base["deployment"].items() if k != "num_replicas"}
     if ns.accelerator == "gpu":
-        engine = {
-            "load_format": "dummy",
-            "enforce_eager": True,
-            "gpu_memory_utilization": ns.gpu_memory_utilization,
-            **{k: v for k, v in engine.items() if k not in ("dtype", "kv_cache_memory_bytes")},
-            "kv_cache_memory_bytes": ns.kv_cache_tokens * kv_bytes_per_token(model_dir),
-        }
+        kv = ns.kv_cache_tokens * kv_bytes_per_token(model_dir)
+        engine = gpu_engine({**engine, "kv_cache_memory_bytes": kv}, ns.gpu_memory_utilization)
         deployment.pop("num_cpus", None)
-        config["applications"][0]["runtime_env"]["env_vars"] = {
-            "RAY_AUTH_MODE": "disabled",
-            "RAY_worker_niceness": "0",
-            **NO_MULTICAST,
-        }
+        config["applications"][0]["runtime_env"]["env_vars"] = dict(GPU_APP_ENV)
     # room for requests to wait in the engine's own queue: the policy reads vLLM's TTFT, from a request's arrival in
     # the engine (requests held at Serve's handles above max_ongoing_requests are not in it)
     deployment["max_ongoing_requests"] = ns.max_ongoing_requests or 4 * ns.max_num_seqs
@@ -230,22 +227,12 @@ def main() -> None:
     p.add_argument("--json", help="also write the timeline and summary here")
     ns = p.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="summit-bench-"))
-    if ns.accelerator == "gpu":
-        from app.clusters.tiny_model import make_model_config
-
-        model_dir = str(make_model_config(ns.preset, root / ns.preset))
-    else:
-        from app.clusters.tiny_model import make_tiny_model
-
-        model_dir = str(make_tiny_model(root / "tiny-llama"))
+    model_dir = model_dir_for(ns.accelerator, ns.preset)
     env = {"SUMMIT_TINY_MODEL": model_dir, **PUSH}
     num_gpus = None
     if ns.accelerator == "gpu":
-        env.update(NO_MULTICAST)
-        num_gpus = 2 if ns.gpus is None else max(2, ns.gpus)
-        if ns.gpus == 1:
-            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # both engines on GPU 0
+        gpu_env, num_gpus = gpu_cluster_env(2, ns.gpus)  # both engines on GPU 0 of a one-GPU host
+        env.update(gpu_env)
     from app.clusters.tiny_model import _WORDS
 
     prompt = "Summarise: " + " ".join(_WORDS[i % len(_WORDS)] for i in range(ns.prompt_words))

@@ -15,9 +15,9 @@ autoscaling runs in bench/results).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from app.simulate.profile import StepProfile, fit, fit_error  # noqa: E402
+from bench.engines import kv_bytes_per_token, model_dir_for  # noqa: E402
 
 
 def engine(ns: argparse.Namespace, model_dir: str):
@@ -144,26 +145,12 @@ def main() -> None:
     ns = p.parse_args()
     if ns.eager is None:
         ns.eager = ns.accelerator == "cpu"
-    root = Path(tempfile.mkdtemp(prefix="summit-profile-"))
-    if ns.model_dir:
-        model_dir = ns.model_dir
-    elif ns.accelerator == "gpu":
-        from app.clusters.tiny_model import make_model_config
-
-        model_dir = str(make_model_config(ns.preset, root / ns.preset))
-    else:
-        from app.clusters.tiny_model import make_tiny_model
-
-        model_dir = str(make_tiny_model(root / "tiny-llama"))
-    import json
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    ns.kv_bytes_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+    model_dir = model_dir_for(ns.accelerator, ns.preset, ns.model_dir, prefix="summit-profile-")
+    ns.kv_bytes_per_token = kv_bytes_per_token(model_dir)
     llm = engine(ns, model_dir)
     t0 = time.perf_counter()
     samples = measure(llm, ns)
-    coef = fit([s for s in samples])
+    coef = fit(samples)
     block = llm.llm_engine.vllm_config.cache_config.block_size
     profile = StepProfile(
         name=ns.name or f"{ns.accelerator}-{Path(model_dir).name}",
@@ -180,7 +167,7 @@ def main() -> None:
     err = fit_error(profile, samples)
     profile.about += f"; the fit's median error {err:.1%}"
     profile.save(ns.out)
-    print(json.dumps({k: v for k, v in coef.items()}, indent=2), f"\nmedian fit error {err:.1%}; {len(samples)} steps")
+    print(json.dumps(coef, indent=2), f"\nmedian fit error {err:.1%}; {len(samples)} steps")
 
 
 if __name__ == "__main__":

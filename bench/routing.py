@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -42,6 +41,14 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import routing_loads  # noqa: E402
+from bench.engines import (  # noqa: E402
+    GPU_APP_ENV,
+    gpu_cluster_env,
+    gpu_engine,
+    kv_bytes_per_token,
+    model_dir_for,
+    multicast_hits,
+)
 from bench.loadgen import LoadResult, stream_completion  # noqa: E402
 from deployments.routing.kv_blocks import DEFAULT_LOAD_COST_TOKENS  # noqa: E402
 from tests.local_cluster import LocalCluster, load_serve_config  # noqa: E402
@@ -52,27 +59,6 @@ APP = "summit"
 POLICIES = {"p2c": "least_load", "affinity": "prefix_affinity", "kv": "kv_cache", "kv-offload": "kv_cache"}
 TOKENS_PER_WORD = 1.5  # the tiny model's tokenizer on the loads' words (app/clusters/tiny_model.py)
 BLOCK_TOKENS = {"cpu": 128, "gpu": 16}  # vLLM's KV block on its CPU backend and its GPU default
-# every engine process on a GPU host: no NVLink multicast (Summit sets these in its engines too)
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def multicast_hits(cluster: LocalCluster) -> list[str]:
-    """The cluster's log files that name NVLink multicast ("mnnvl"), read before it stops (stopping removes them)."""
-    hits = []
-    for path in cluster.temp_dir.rglob("*"):
-        if path.is_file() and path.suffix in (".log", ".out", ".err"):
-            try:
-                if "mnnvl" in path.read_text(errors="replace").lower():
-                    hits.append(str(path.relative_to(cluster.temp_dir)))
-            except OSError:
-                continue
-    return hits
-
-
-def kv_bytes_per_token(model_dir: str) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2  # K and V, bf16
 
 
 def app_config(ns: argparse.Namespace, model_dir: str) -> dict:
@@ -89,18 +75,9 @@ def app_config(ns: argparse.Namespace, model_dir: str) -> dict:
     }
     deployment = {**base["deployment"], "num_replicas": ns.replicas}
     if ns.accelerator == "gpu":
-        engine = {
-            "load_format": "dummy",
-            "enforce_eager": True,
-            "gpu_memory_utilization": ns.gpu_memory_utilization,
-            **{k: v for k, v in engine.items() if k != "dtype"},
-        }
+        engine = gpu_engine(engine, ns.gpu_memory_utilization)
         deployment.pop("num_cpus", None)
-        config["applications"][0]["runtime_env"]["env_vars"] = {
-            "RAY_AUTH_MODE": "disabled",
-            "RAY_worker_niceness": "0",
-            **NO_MULTICAST,
-        }
+        config["applications"][0]["runtime_env"]["env_vars"] = dict(GPU_APP_ENV)
     models = []
     for name in ns.policies:
         kwargs = dict(engine)
@@ -259,15 +236,7 @@ def main() -> None:
     if ns.policies[0] not in ("p2c", "kv"):
         p.error("--policies: the first is the baseline the others are compared with (p2c, or kv for kv-offload)")
 
-    model_dir = ns.model_dir
-    if model_dir is None and ns.accelerator == "gpu":
-        from app.clusters.tiny_model import make_model_config
-
-        model_dir = str(make_model_config(ns.preset, Path(tempfile.mkdtemp(prefix="summit-bench-")) / ns.preset))
-    elif model_dir is None:
-        from app.clusters.tiny_model import make_tiny_model
-
-        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="summit-bench-")) / "tiny-llama"))
+    model_dir = model_dir_for(ns.accelerator, ns.preset, ns.model_dir)
     cache_words = round(ns.kv_cache_tokens / TOKENS_PER_WORD)
     # the replay counts a word as a token: the engine's blocks and kv_cache's load cost, in words
     shape = {
@@ -298,12 +267,11 @@ def main() -> None:
     env = {"SUMMIT_TINY_MODEL": model_dir}
     num_gpus = None
     if ns.accelerator == "gpu":
-        env.update(NO_MULTICAST)
-        num_gpus = engines if ns.gpus is None else max(engines, ns.gpus)
-        if ns.gpus is not None and ns.gpus < engines:
-            if ns.gpus != 1:
-                p.error(f"--gpus {ns.gpus}: engines share a GPU only on a one-GPU host ({engines} engines)")
-            env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"  # every engine on GPU 0
+        try:
+            gpu_env, num_gpus = gpu_cluster_env(engines, ns.gpus)
+        except ValueError as e:
+            p.error(f"--gpus {ns.gpus}: {e}")
+        env.update(gpu_env)
     # read: hit rates (Ray's metrics every 2 s)
     cluster = LocalCluster(num_cpus=6 if ns.accelerator == "cpu" else 12, num_gpus=num_gpus, env=env, fast_metrics=True)
     figures: dict[str, dict[str, dict]] = {}

@@ -73,8 +73,6 @@ class KVCache:
         self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks no request references, oldest first
         self.anonymous = 0
         self.on_events = on_events
-        self.parents: dict[int, int | None] = {}
-        self.block_tokens: dict[int, list[int]] = {}
 
     def free(self) -> int:
         """Blocks a request can take now (unreferenced named blocks are evicted for it)."""
