@@ -186,7 +186,7 @@ def _add_sizing_commands(sub) -> None:
 
     p = sub.add_parser("simulate", help="a Serve YAML's model under a load, simulated from a measured engine profile")
     p.add_argument("file", help="the Serve YAML")
-    p.add_argument("--load", required=True, help="the traffic (a YAML: docs/operations/simulate.md)")
+    p.add_argument("--load", required=True, help="the traffic (a YAML: docs/configuration/simulate.md)")
     p.add_argument("--profile", required=True, help="the engine's measured step times (bench/results/profile-*.json)")
     p.add_argument("--model", default=None, help="which of the YAML's models (default: the first)")
     p.add_argument("--gpu", default=None, choices=sorted(GPUS_MIB), help="size a GPU model's KV cache for this GPU")

@@ -112,10 +112,14 @@ def replica_placement(m: ModelConfig) -> PlacementPlan:
 def kv_cache_tokens(m: ModelConfig, gpu: str, env: dict[str, str] | None = None) -> int:
     """What vLLM reports at start as its "GPU KV cache size: N tokens" for one replica of `m` on `gpu`s (the room the
     weights leave), or what `engine_kwargs.kv_cache_memory_bytes` holds: the KV capacity `summit simulate` models."""
-    return _memory(m, gpu, os.environ if env is None else env)[-1]
+    *_, tp, per_token, room_tokens = _memory(m, gpu, os.environ if env is None else env)
+    given = m.engine_kwargs.get("kv_cache_memory_bytes")
+    return int(given) * tp // per_token if given else room_tokens
 
 
 def _memory(m: ModelConfig, gpu: str, env: dict[str, str]):
+    """(shape, weight dtype, KV dtype, context, budget, what one GPU holds, TP, KV bytes a token on one GPU, KV tokens
+    the weights leave room for)."""
     shape, cfg = model_shape(m, env)
     dtype = weight_dtype(m, cfg)
     kv = kv_dtype(m, dtype)
@@ -130,19 +134,16 @@ def _memory(m: ModelConfig, gpu: str, env: dict[str, str]):
     tp, pp = m.tensor_parallel_size, m.pipeline_parallel_size
     use = planner.per_gpu(shape, dtype, kv, tokens or 1, tp, pp, budget)
     per_token = planner.per_gpu(shape, dtype, kv, 1, tp, pp, budget).kv
-    kv_tokens = max(0, use.room - use.weights) // per_token
-    if ek.get("kv_cache_memory_bytes"):
-        kv_tokens = int(ek["kv_cache_memory_bytes"]) * tp // per_token
-    return shape, dtype, kv, tokens, budget, use, int(kv_tokens)
+    # what vLLM reports at start as its "GPU KV cache size: N tokens": the room the weights leave, in tokens
+    return shape, dtype, kv, tokens, budget, use, tp, per_token, int(max(0, use.room - use.weights) // per_token)
 
 
 def check_memory(m: ModelConfig, hw: Hardware, env: dict[str, str]) -> tuple[str, str | None]:
     """(summary line, problem or None) for one GPU model's busiest GPU."""
-    shape, dtype, kv, tokens, budget, use, kv_tokens = _memory(m, hw.gpu, env)
+    shape, dtype, kv, tokens, budget, use, tp, _, kv_tokens = _memory(m, hw.gpu, env)
     if not tokens:
         return "", f"model {m.name!r}: unknown context length. Fix: set engine_kwargs.max_model_len"
-    tp, pp = m.tensor_parallel_size, m.pipeline_parallel_size
-    kv_tokens = max(0, use.room - use.weights) // planner.per_gpu(shape, dtype, kv, 1, tp, pp, budget).kv
+    pp = m.pipeline_parallel_size
     line = (
         f"{m.name}: TP {tp} × PP {pp}, {dtype} weights {use.weights / planner.GiB:.1f} GiB + {kv} KV "
         f"{use.kv / planner.GiB:.1f} GiB (max_model_len {tokens:,}) of {use.room / planner.GiB:.1f} GiB per GPU; "
