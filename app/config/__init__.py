@@ -5,20 +5,16 @@ Unknown keys are rejected with the key named. The schema imports no engine: what
 asked through the validation context's `EngineChecks` (app/config/checks.py), which the control plane passes where a
 YAML is validated for real (`app.build.engine_checks.load_config`).
 
-Modules: env (`$VAR` expansion), options (deployment, routing, ingress, auth), model (a model and its
-disaggregation), root (SummitConfig), lora, batch, monitoring, autoscaling, presets, checks.
+Modules: env (`$VAR` expansion), options (deployment, routing, ingress, auth, stream resume), model (a model),
+disaggregation, root (SummitConfig), lora, batch, monitoring, autoscaling, presets, checks.
 """
 
 from app.config.batch import BatchOptions
 from app.config.checks import EngineChecks
+from app.config.disaggregation import DisaggregationOptions, PDSide
 from app.config.env import expand_env
 from app.config.lora import LORA_ENGINE_KEYS, Adapter, LoraOptions
-from app.config.model import (
-    DEFAULT_MAX_NUM_SEQS,
-    DisaggregationOptions,
-    ModelConfig,
-    PDSide,
-)
+from app.config.model import DEFAULT_MAX_NUM_SEQS, ModelConfig
 from app.config.monitoring import MonitoringOptions
 from app.config.options import (
     AuthOptions,
@@ -26,6 +22,7 @@ from app.config.options import (
     IngressOptions,
     RateLimitOptions,
     RoutingOptions,
+    StreamResumeOptions,
 )
 from app.config.root import SummitConfig
 
@@ -45,6 +42,7 @@ __all__ = [
     "PDSide",
     "RateLimitOptions",
     "RoutingOptions",
+    "StreamResumeOptions",
     "SummitConfig",
     "expand_env",
 ]

@@ -8,9 +8,9 @@ without one (a config handed to a replica, a unit test of pure rules), these che
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import ValidationInfo
+from pydantic import AfterValidator, ValidationInfo
 
 
 class EngineChecks(Protocol):
@@ -37,3 +37,13 @@ def engine_checks(info: ValidationInfo) -> EngineChecks | None:
     """The validation context's "engine", or None when the config is validated without one."""
     context = info.context
     return context.get("engine") if isinstance(context, Mapping) else None
+
+
+def _known_engine_kwargs(kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs fields and types, where the app is built or validated (the validation context)."""
+    if (engine := engine_checks(info)) is not None:
+        engine.check_engine_kwargs(kwargs)
+    return kwargs
+
+
+EngineKwargs = Annotated[dict[str, Any], AfterValidator(_known_engine_kwargs)]

@@ -175,3 +175,23 @@ class AuthOptions(Strict):
         if (self.api_keys_env is None) == (self.api_keys_file is None):
             raise ValueError("auth: give exactly one of `api_keys_env` (an env var name) or `api_keys_file` (a path)")
         return self
+
+
+class StreamResumeOptions(Strict):
+    """Streams a client can pick up again after its connection dropped (docs/features/stream-resume.md): each event
+    of a stream carries an SSE `id:`; a request sent again with `Last-Event-ID` gets the events after it, then the
+    live rest. The engine goes on while the client is away."""
+
+    window_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How long a stream waits for its client to come back (the engine goes on meanwhile; past it, the "
+        "request is aborted), and how long an ended stream stays resumable.",
+    )
+    max_bytes: int = Field(
+        256 << 20,
+        ge=1 << 20,
+        description="The streams' events one front process keeps, in bytes: the oldest ended streams go first; a "
+        "stream that would pass it while live can no longer be resumed (410).",
+    )

@@ -24,6 +24,7 @@ from deployments.http.errors import OpenAIError
 from deployments.http.protocol import (
     ARRIVAL_HEADER,
     HOP_HEADERS,
+    OWNER_HEADER,
     PATH_HEADER,
     REQUEST_ID_HEADER,
     TARGET_HEADER,
@@ -33,6 +34,7 @@ from deployments.http.protocol import (
 )
 from deployments.http.relay import first_response, relay, rest_of_body
 from deployments.http.routes import Route, route_of
+from deployments.http.stream_ids import LAST_EVENT_HEADER, StreamPoint, resume_point
 from deployments.lora.runtime import LOAD, MAX_BODY_BYTES, parse_load, parse_unload
 from deployments.pipeline.auth import load_api_keys
 from deployments.pipeline.context import Entry, RequestContext, run_steps
@@ -110,22 +112,37 @@ class OpenAIIngress:
             "stored_response": lambda ctx, route: self._stored_response(ctx, route.match["id"]),
         }
 
-    def _headers(self, ctx: RequestContext, keeper: response_ids.Owner | None) -> list[tuple[bytes, bytes]]:
+    def _headers(
+        self, ctx: RequestContext, keeper: response_ids.Owner | StreamPoint | None
+    ) -> list[tuple[bytes, bytes]]:
         """The request's headers as they go on. Serve's proxy answers with the client's x-request-id (or its own);
         the replica's front gives the engine that id plus a unique suffix. `keeper`: the replica keeping the stored
-        response the request names (Summit's router sends it there)."""
+        response or the stream the request names (Summit's router sends it there)."""
         return without(ctx.headers, HOP_HEADERS | {b"content-type"}) + [
             (b"content-type", b"application/json"),
             (REQUEST_ID_HEADER, ctx.client_request_id),
             (ARRIVAL_HEADER, f"{time.time():.6f}".encode()),
+            (OWNER_HEADER, ctx.owner),  # whose stream it is (a resumable stream is its key's alone)
             *([(TARGET_HEADER, keeper.replica.encode())] if keeper else []),
         ]
 
     async def _generate(self, ctx: RequestContext) -> None:
+        if (point := resume_point(ctx.header(LAST_EVENT_HEADER))) is not None:  # a client resuming its stream
+            await self._resume(ctx, point)
+            return
         await run_steps(self._request_steps, ctx)
         keeper = response_ids.owner_of(ctx.payload.get("previous_response_id"))  # a response continued
         model = self._adapters.get(ctx.model) or self._runtime.get(ctx.model) or ctx.model
         request = HTTPRequest("POST", ctx.path, ctx.body, ctx.query_string, self._headers(ctx, keeper), model=ctx.model)
+        await relay(self._servers[model].options(stream=True).handle_http.remote(request), model, ctx.receive, ctx.send)
+
+    async def _resume(self, ctx: RequestContext, point: StreamPoint) -> None:
+        """A stream resumed (`Last-Event-ID`): to the replica keeping it, whose front answers from its journal (the
+        body is not needed: the id names the model and the replica)."""
+        model = point.model(self._servers)
+        if model is None:
+            raise OpenAIError(404, f"stream {point.stream!r} not found", param="Last-Event-ID")
+        request = HTTPRequest("POST", ctx.path, b"", ctx.query_string, self._headers(ctx, point), model=model)
         await relay(self._servers[model].options(stream=True).handle_http.remote(request), model, ctx.receive, ctx.send)
 
     async def _stored_response(self, ctx: RequestContext, response_id: str) -> None:

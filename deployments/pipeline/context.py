@@ -17,7 +17,7 @@ from typing import Any
 
 from deployments.http.asgi import lifespan
 from deployments.http.errors import OpenAIError
-from deployments.http.protocol import INTERNAL_SCOPE_KEY, REQUEST_ID_HEADER, header
+from deployments.http.protocol import INTERNAL_SCOPE_KEY, OWNER_HEADER, REQUEST_ID_HEADER, header
 
 
 class Answered(Exception):  # noqa: N818 — a signal, not an error
@@ -60,6 +60,12 @@ class RequestContext:
 
     def header(self, name: bytes) -> bytes | None:
         return header(self.headers, name)
+
+    @property
+    def caller(self) -> bytes:
+        """Who is asking (a hash of its API key; empty with keys off): checked here, or told by the Summit hop that
+        checked it (`x-summit-owner`, trusted only on a request that came through a Serve handle)."""
+        return (self.header(OWNER_HEADER) or b"") if self.internal else self.owner
 
     @property
     def client_request_id(self) -> bytes:

@@ -43,9 +43,10 @@ async def to_batch_api(ctx: RequestContext, batch_api: Call | None) -> None:
 
 
 def passed_on(ctx: RequestContext, model: str, extra: list[tuple[bytes, bytes]] = ()) -> HTTPRequest:
-    """The request as it goes on to `model`'s replica: without the API key, with when it arrived (first hop's)."""
-    headers = without(ctx.headers, (b"authorization", ARRIVAL_HEADER, TARGET_HEADER))
-    headers += [*extra, (ARRIVAL_HEADER, f"{time.time():.6f}".encode())]
+    """The request as it goes on to `model`'s replica: without the API key, with who asks and when it arrived (first
+    hop's)."""
+    headers = without(ctx.headers, (b"authorization", ARRIVAL_HEADER, TARGET_HEADER, OWNER_HEADER))
+    headers += [*extra, (ARRIVAL_HEADER, f"{time.time():.6f}".encode()), (OWNER_HEADER, ctx.caller)]
     return HTTPRequest(ctx.method, ctx.path, ctx.body or b"", ctx.query_string, headers, model=model)
 
 

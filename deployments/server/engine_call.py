@@ -4,7 +4,9 @@ The engine gets the client's `x-request-id` plus a unique suffix (a reused id ca
 with the client's id). An error that is not a stream comes out OpenAI-shaped; a 5xx that the request itself caused
 (a body vLLM's validators crash on) becomes the 400 naming the field; a 5xx from an engine that died is a 503 +
 Retry-After. A stream's chunks are coalesced (stream_coalesce_ms). A stream that can be resumed goes on from another
-replica when this engine dies under it (pipeline/migration.py). A client that leaves makes vLLM abort the request.
+replica when this engine dies under it (pipeline/migration.py). A client that leaves makes vLLM abort the request,
+unless the stream is resumable by its client (`stream_resume`): then its events go into the stream's journal
+(server/stream_journal.py) and the engine goes on until the client comes back or the window passes.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import uuid
 
 from deployments.http.asgi import end_after_disconnect
 from deployments.http.errors import OpenAIError, openai_error_bytes, request_problem, structured_output_problem
-from deployments.http.protocol import HOP_HEADERS, REPLICA_HEADER, REQUEST_ID_HEADER, header, without
+from deployments.http.protocol import AVOID_HEADER, HOP_HEADERS, REPLICA_HEADER, REQUEST_ID_HEADER, header, without
+from deployments.http.stream_ids import STREAM_HEADER, new_stream_id
 from deployments.pipeline.context import RequestContext
 from deployments.pipeline.migration import resume_or_fail
 from deployments.server.coalesce import Coalescer
+from deployments.server.stream_journal import Journal
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,6 +38,8 @@ class EngineCall:
         self.body_given = self.answered = self.gone = False
         self.error: dict | None = None  # a non-stream error response, buffered to reshape it
         self.stream: Coalescer | None = None  # a streamed (SSE) answer
+        self.journal: Journal | None = None  # a stream its client can resume (stream_resume)
+        self.sink = self._to_connection  # this connection, as the journal's reader (one bound method: its identity)
         self.client_id = ctx.client_request_id.decode()
 
     async def run(self) -> None:
@@ -46,11 +52,15 @@ class EngineCall:
         # cancels the bridge's), and the app ends by itself once `receive` says http.disconnect, aborting the engine
         # request (asgi.end_after_disconnect says why a cancellation must not reach it first)
         app = asyncio.ensure_future(self.engine.app({**ctx.scope, "headers": headers}, self.receive, self.send))
+        detached = False
         try:
             await asyncio.shield(app)
-            if self.resume is not None and self.resume.failed:  # vLLM ended the stream with an error event
-                await self._resume_elsewhere()
+            await self._after_app()
         except asyncio.CancelledError:
+            if self.journal is not None and self.journal.lost is None and not app.done():
+                detached = True  # its client may come back: the engine goes on, holding what the request holds
+                self._go_on_detached(app)
+                raise
             self._cancelled()
             if not app.done():
                 await end_after_disconnect(app)
@@ -66,6 +76,33 @@ class EngineCall:
         finally:
             if self.stream is not None:
                 self.stream.close()
+            if self.journal is not None and not detached:
+                self.journal.close()
+
+    async def _after_app(self) -> None:
+        if self.resume is not None and self.resume.failed:  # vLLM ended the stream with an error event
+            await self._resume_elsewhere()
+
+    def _go_on_detached(self, app: asyncio.Task) -> None:
+        """The caller's task was cancelled (its client left) under a resumable stream: the request goes on in a task of
+        its own, with what it holds (admission slot, awake engine, adapter: `ctx.exits`), until it ends or is aborted
+        (the journal's window)."""
+        self.journal.leave(self.sink)
+        exits = self.ctx.exits.pop_all()
+
+        async def finish() -> None:
+            try:
+                await app
+                await self._after_app()
+            except Exception as e:  # noqa: BLE001 — nobody to answer: say it once
+                logger.warning("request %s (its client away) ended with %s: %s", self.client_id, type(e).__name__, e)
+            finally:
+                self.journal.close()
+                await exits.aclose()
+
+        task = asyncio.ensure_future(finish())
+        self.front.detached.add(task)
+        task.add_done_callback(self.front.detached.discard)
 
     async def receive(self) -> dict:
         if not self.body_given:
@@ -75,6 +112,9 @@ class EngineCall:
             return {"type": "http.request", "body": self.ctx.body, "more_body": False}
         message = await self.ctx.receive()  # http.disconnect when the client goes: vLLM aborts the engine request
         if message["type"] == "http.disconnect":
+            if self.journal is not None:  # unless the client may resume the stream: then once the window passed
+                self.journal.leave(self.sink)
+                await self.journal.abort.wait()
             self._cancelled()
         return message
 
@@ -87,7 +127,7 @@ class EngineCall:
                 self.ctx.watch.end(aborted=True)
 
     async def send(self, message: dict) -> None:
-        if self.gone:
+        if self.gone and self.journal is None:
             return
         if message["type"] == "http.response.start":
             await self._start(message)
@@ -115,6 +155,12 @@ class EngineCall:
                 self.error["refusal"] = self._request_fault()
         elif is_sse and self.options.coalesce_s > 0:
             self.stream = Coalescer(self.ctx.send, self.options.coalesce_s)
+        journals = self.options.journals
+        if journals is not None and is_sse and status == 200 and not self.ctx.header(AVOID_HEADER):
+            stream_id = new_stream_id(self.front.table.model, self.options.front_index, self.engine.replica_id)
+            self.journal = journals.open(stream_id, self.ctx.caller)
+            self.journal.read(self.sink)
+            out.append((STREAM_HEADER, stream_id.encode()))
         if self.error is None:
             await self.ctx.send(message)
 
@@ -165,6 +211,12 @@ class EngineCall:
         await self.ctx.send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def to_client(self, chunk: bytes, more_body: bool) -> None:
+        if self.journal is not None:  # numbered, kept, and passed to whichever connection reads the stream now
+            await self.journal.write(chunk, more_body)
+        else:
+            await self._to_connection(chunk, more_body)
+
+    async def _to_connection(self, chunk: bytes, more_body: bool) -> None:
         if self.stream is not None:
             await self.stream.body(chunk, more_body)
         else:

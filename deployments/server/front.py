@@ -34,6 +34,7 @@ from deployments.http.protocol import (
 )
 from deployments.http.relay import relay
 from deployments.http.routes import POST_ROUTES, Route, route_of
+from deployments.http.stream_ids import LAST_EVENT_HEADER, resume_point
 from deployments.lora.adapters import AdapterLoadError
 from deployments.lora.runtime import MAX_BODY_BYTES, RuntimeAdapters
 from deployments.observability.metrics import ReplicaMetrics
@@ -56,6 +57,8 @@ from deployments.pipeline.rate_limit import Limits
 from deployments.server.engine_call import EngineCall
 from deployments.server.models import ModelTable
 from deployments.server.sleep import Sleeper
+from deployments.server.stream_journal import StreamJournals
+from deployments.server.stream_resume import resume_stream
 
 logger = logging.getLogger("ray.serve")
 
@@ -96,7 +99,10 @@ class FrontOptions:
     tracing: Tracing | None = None  # traces (monitoring.tracing)
     batch_share: BatchShare | None = None  # told of online requests: batch lines make room for them
     sleeper: Sleeper | None = None  # the engine's sleep mode (deployment.sleep, share_with): a request wakes it
-    to_keeper: Call | None = None  # a request about a stored response -> the replica keeping it (this deployment's)
+    to_keeper: Call | None = None  # a request about a stored response or a stream -> the replica keeping it
+    journals: StreamJournals | None = None  # streams a client can resume (stream_resume)
+    front_index: int = 0  # this process among the replica's (0: the replica itself; 1..: its front processes)
+    siblings: Callable[..., Any] | None = None  # the replica's: (front, point, caller) -> that front process's resume
 
 
 # The routes a request's metrics and trace are kept for: the model's work (not the tokenizer's)
@@ -110,6 +116,7 @@ class ReplicaFront(Entry):
         super().__init__(self._route)
         self.engine, self.table, self.options = engine, table, options or FrontOptions()
         self.relaying = 0  # streams this replica is resuming elsewhere and relaying to their clients
+        self.detached: set[asyncio.Task] = set()  # resumable streams going on while their clients are away
         self._openapi: dict | None = None
         o = self.options
         self._authenticate = authenticate(o.keys)
@@ -157,6 +164,9 @@ class ReplicaFront(Entry):
         }
 
     async def _generate(self, ctx: RequestContext) -> None:
+        if (point := resume_point(ctx.header(LAST_EVENT_HEADER))) is not None:  # a client resuming its stream
+            await resume_stream(self, ctx, point)
+            return
         await run_steps(self._request_steps, ctx)
         if not self.table.serves(ctx.model):  # a body cut at HAProxy's buffer, or a stale route
             await to_model_replica(ctx, ctx.model, self.options.forward, self.table.model)

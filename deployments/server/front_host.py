@@ -33,6 +33,7 @@ from deployments.server.front import EngineSide, FrontOptions, ReplicaFront
 from deployments.server.models import ModelTable
 from deployments.server.sleep import Sleeper
 from deployments.server.startup import model_cards
+from deployments.server.stream_journal import StreamJournals
 
 logger = logging.getLogger("ray.serve")
 
@@ -112,7 +113,10 @@ def front_options(config: ServerConfig, model: ModelConfig, site: FrontSite, poo
         batch_share=BatchShare(board=site.board, slot=site.board_slot),
         sleeper=site.sleeper,
         to_keeper=pool.forward,
+        front_index=site.board_slot,
     )
+    if model.stream_resume is not None:
+        options.journals = StreamJournals(model.stream_resume.window_s, model.stream_resume.max_bytes)
     if c.batch_api is not None:
         options.batch_api = lambda request, h=c.batch_api.options(stream=True): h.handle_http.remote(request)
     if c.limiter is not None:

@@ -29,6 +29,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deployments import engine
 from deployments.batch.share import OnlineBoard
+from deployments.http.asgi import stream_asgi
+from deployments.http.errors import OpenAIError
+from deployments.http.protocol import INTERNAL_SCOPE_KEY, OWNER_HEADER, HTTPRequest
+from deployments.http.stream_ids import LAST_EVENT_HEADER, StreamPoint
 from deployments.observability import metrics
 from deployments.observability.tracing import Tracing
 from deployments.server.config import ServerConfig
@@ -161,6 +165,13 @@ class FrontProcesses:
         counts = await asyncio.gather(*(a.engine_died.remote() for a in self.actors), return_exceptions=True)
         return sum(c for c in counts if isinstance(c, int))
 
+    def resumed(self, front: int, point: StreamPoint, caller: bytes) -> ActorStream:
+        """A resume of a stream that front process `front` keeps, as that process answers it (relay() reads it)."""
+        if not 1 <= front <= len(self.actors):
+            raise OpenAIError(410, f"stream {point.stream!r} can no longer be resumed: its front process is gone")
+        actor = self.actors[front - 1]
+        return ActorStream(actor.resumed.options(num_returns="streaming").remote(point, caller))
+
     async def stats(self) -> list[dict]:
         if not self.actors or self.failure:
             return []
@@ -176,6 +187,26 @@ class FrontProcesses:
         except Exception as e:  # noqa: BLE001 — stopping anyway
             logger.warning("front processes did not drain: %s: %s", type(e).__name__, e)
         self.stop()
+
+
+class ActorStream:
+    """A front process's answer (a Ray streaming generator: a ResponseStart, then body chunks) read as a Serve response
+    stream is (http/relay.py)."""
+
+    def __init__(self, refs):
+        self._refs = refs
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await (await self._refs.__anext__())
+
+    def cancel(self) -> None:
+        try:
+            ray.cancel(self._refs)
+        except Exception:  # noqa: BLE001 — ended already
+            pass
 
 
 class FrontProcess:
@@ -295,6 +326,17 @@ class FrontProcess:
         headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200 if healthy else 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def resumed(self, point: StreamPoint, caller: bytes):
+        """A resume of a stream this process keeps, asked by its replica (a client's resume reached that process):
+        the answer as LLMServer.handle_http gives one."""
+        headers = [(LAST_EVENT_HEADER, f"{point.stream}:{point.seen}".encode()), (OWNER_HEADER, caller)]
+
+        async def internal(scope, receive, send) -> None:
+            await self._front({**scope, INTERNAL_SCOPE_KEY: True}, receive, send)
+
+        async for item in stream_asgi(internal, HTTPRequest("POST", "/v1/completions", b"", headers=headers)):
+            yield item
 
     def alive(self) -> bool:
         if engine.engine_is_dead(self._engine_app.engine):

@@ -95,6 +95,7 @@ class LLMServer:
         self._adapter_sync = await start_adapter_sync(self._front)
         if self._fronts is not None:
             await self._fronts.attach(config, index, self._replica_id, clients, self._board.path)
+            self._front.options.siblings = self._fronts.resumed  # its streams' resumes that reach this process
         self._metrics.start_counters()
         if monitoring.metrics:
             self._engine_metrics = metrics.EngineMetricsBridge(engine.engine_metric_samples, self._replica_id).start()

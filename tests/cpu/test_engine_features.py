@@ -26,9 +26,19 @@ from app.clusters.tiny_model import make_tiny_lora, make_tiny_model
 from deployments.http.response_ids import STORE_ENV, new_id
 from deployments.routing.kv_policy import KV_CLAIM_S
 from tests.conftest import LONG_TIER
-from tests.cpu.engine_apps import APP, deployed, document, running_replicas, serve_log_matches, tiny_model, wait_for
+from tests.cpu.engine_apps import (
+    APP,
+    deployed,
+    document,
+    replica_ports,
+    running_replicas,
+    serve_log_matches,
+    tiny_model,
+    wait_for,
+)
 from tests.engine_checks import engine_core_processes, held_streams
 from tests.replica_probe import probe
+from tests.resume_checks import read_stream, same_stream, text_of
 
 MODEL = "tiny-feat"
 ADAPTERS = ("tiny-sql", "tiny-poet")
@@ -39,6 +49,7 @@ QUANTIZED = "tiny-fp8"
 EMBED = "tiny-embed"  # the tiny Llama run as a pooling model (vLLM's runner: pooling, convert: embed)
 CLASSIFY = "tiny-classify"  # ... and as a classifier (convert: classify)
 API_KEY = "sk-summit-features"
+OTHER_KEY = "sk-summit-features-2"  # a second valid key (a stream is its own key's alone)
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 POOL = "LLMServer:" + "+".join(
     [MODEL, *(f"tiny-{arch}" for arch in ARCHS), QUANTIZED, EMBED, CLASSIFY]
@@ -69,7 +80,13 @@ def features_app(tiny_model_dir, tmp_path_factory):
         "chat_template": "serve_configs/templates/llama3.1-json-tools.jinja",
     }  # found in Summit's directory
     model = tiny_model(
-        MODEL, engine, {"num_replicas": 2}, lora=lora, frontend_kwargs=tools, routing={"policy": "kv_cache"}
+        MODEL,
+        engine,
+        {"num_replicas": 2},
+        lora=lora,
+        frontend_kwargs=tools,
+        routing={"policy": "kv_cache"},
+        stream_resume={},
     )
     families = [
         tiny_model(
@@ -103,7 +120,7 @@ def features_app(tiny_model_dir, tmp_path_factory):
     # Tool calls through vLLM's JSON-schema path (honours disable_any_whitespace). vLLM 0.32's default, xgrammar's
     # Llama structural tag, lets whitespace between keys, and a random model writes newlines until max_tokens.
     # vLLM keeps responses (retrieve, cancel, background, previous_response_id)
-    env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": API_KEY, STORE_ENV: "1"}
+    env = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0", "SUMMIT_API_KEYS": f"{API_KEY},{OTHER_KEY}", STORE_ENV: "1"}
     with deployed(
         [model, *families, quantized, embed, classify],
         tiny_model_dir,
@@ -620,3 +637,34 @@ def test_a_full_replica_unloads_its_least_recently_used_idle_adapter(features_ap
             ).status_code
             == 200
         )
+
+
+def test_a_dropped_stream_resumes_after_its_last_event_through_any_replica_for_its_key_alone(features_app):
+    """stream_resume on the tiny Llama (2 of the deployment's replicas), real engines on the direct path, keys on: a
+    temperature-0 stream dropped after its first event, half of them and all but 3, sent again with `Last-Event-ID`
+    (no body) through HAProxy and to every replica's own port (all but one of which must pass it on to the replica
+    keeping it): each resume gets the rest once, and the dropped part with it is one stream (ids 1..N) with the text
+    of an uncut run. Another key gets 404, an id past the stream 400. Fails with the resume ignored (a new generation:
+    ids and text start again), the request aborted when its client left (410: the stream ended early), or a resume
+    not passed on to its keeper (404 from the other replicas)."""
+    url = features_app.base_url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "The ridge at dawn", "max_tokens": 40, "temperature": 0, "stream": True}
+    body["ignore_eos"] = True
+    uncut = read_stream(url, body, AUTH)
+    n = len(uncut.events)
+    assert uncut.done and n >= 10 and uncut.headers.get("x-summit-stream-id"), (n, uncut.headers)
+    entries = [features_app.base_url] + [f"http://{h}:{p}" for h, p in replica_ports(features_app)]
+    assert len(entries) == 1 + REPLICAS, entries
+    for cut in (1, n // 2, n - 3):
+        first = read_stream(url, body, AUTH, stop_after=cut)
+        assert len(first.events) == cut and not first.done, first
+        for base in entries:
+            rest = read_stream(base + "/v1/completions", None, {**AUTH, "last-event-id": first.last_id})
+            assert rest.status == 200, (cut, base, rest.body)
+            same_stream(first, rest)
+            assert rest.done and text_of(first.events + rest.events) == text_of(uncut.events), (cut, base)
+    stream = first.headers["x-summit-stream-id"]
+    other = read_stream(url, None, {"authorization": f"Bearer {OTHER_KEY}", "last-event-id": first.last_id})
+    assert other.status == 404 and json.loads(other.body)["error"]["param"] == "Last-Event-ID", other.body
+    ahead = read_stream(url, None, {**AUTH, "last-event-id": f"{stream}:{n + 5}"})
+    assert ahead.status == 400, ahead.body

@@ -33,6 +33,7 @@ from tests.cpu.engine_apps import (
 )
 from tests.engine_checks import Throttle, engine_core_processes
 from tests.replica_probe import probe
+from tests.resume_checks import read_stream, same_stream, text_of
 
 MODEL = "tiny-fronts"
 POOL = f"LLMServer:{MODEL}"
@@ -42,7 +43,11 @@ STREAMS, TOKENS = 24, 16
 @pytest.fixture(scope="module")
 def fronts(tiny_model_dir):
     model = tiny_model(
-        MODEL, {"max_num_seqs": 16}, {"num_replicas": 1, "graceful_shutdown_timeout_s": 120}, front_processes=2
+        MODEL,
+        {"max_num_seqs": 16},
+        {"num_replicas": 1, "graceful_shutdown_timeout_s": 120},
+        front_processes=2,
+        stream_resume={},
     )
     with deployed([model], tiny_model_dir, haproxy=True) as cluster:
         yield cluster
@@ -120,6 +125,38 @@ def test_the_replica_and_its_front_process_answer_on_its_port_from_one_engine(fr
     ((host, port),) = replica_ports(fronts)
     answers = {(r.status_code, r.text) for r in (httpx.get(f"http://{host}:{port}/-/healthz") for _ in range(20))}
     assert answers == {(200, "success")}
+
+
+def test_a_dropped_stream_resumes_through_either_process_of_its_replica(fronts):
+    """stream_resume with two processes on the replica's port (the kernel spreads connections over them): streams
+    dropped after 3 events until one is kept by each process (the front index in its id), each resumed until both
+    processes have taken a resume of it, straight at the replica's port: every resume gets the rest once, one stream
+    with the dropped part (ids 1..N) and the text of an uncut run. So a resume reaching the other process goes on to the
+    keeper (a front process through its replica; the replica to its front process). Fails if a process answers a
+    stream it does not keep (404), or a resume repeats or skips events."""
+    with_front(fronts)
+    ((host, port),) = replica_ports(fronts)
+    url = f"http://{host}:{port}/v1/completions"
+    body = {"model": MODEL, "prompt": "Tale of two", "max_tokens": 24, "temperature": 0, "stream": True}
+    body["ignore_eos"] = True
+    uncut = read_stream(url, body, {})
+    assert uncut.done, uncut
+    checked: dict[int, set[str]] = {}
+    for _ in range(24):
+        if len(checked) == 2 and all(len(a) == 2 for a in checked.values()):
+            break
+        first = read_stream(url, body, {}, stop_after=3)
+        keeper = int(first.headers["x-summit-stream-id"].split("-")[2])
+        accepted = checked.setdefault(keeper, set())
+        for _ in range(16):
+            if len(accepted) == 2:
+                break
+            rest = read_stream(url, None, {"last-event-id": first.last_id})
+            assert rest.status == 200, (keeper, rest.headers, rest.body)
+            same_stream(first, rest)
+            assert rest.done and text_of(first.events + rest.events) == text_of(uncut.events), keeper
+            accepted.add(rest.headers.get("x-summit-front", "0"))  # which process took the connection
+    assert checked == {0: {"0", "1"}, 1: {"0", "1"}}, checked
 
 
 class Stream:

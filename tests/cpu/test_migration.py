@@ -124,3 +124,104 @@ def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
             vllm_adapter.shutdown_engine(engine_app.engine)
 
     asyncio.run(run())
+
+
+def test_a_stream_dropped_on_the_two_hop_path_resumes_with_the_missed_events_then_the_live_rest(tmp_path):
+    """The two-hop path's replica side on the installed vLLM, in-process: Summit's front with stream_resume on, driven
+    through the bridge `LLMServer.handle_http` runs (`stream_asgi`, the request marked internal as from the ingress).
+    A temperature-0 chat stream read for 3 events, its engine core then paused (SIGSTOP: the stream cannot end), the
+    bridge closed as Serve closes it when the ingress's client leaves; a resume (`Last-Event-ID`, no body) gets the
+    events written so far, and — once the engine runs again — the live rest: with the dropped part, one stream (ids
+    1..N) with the text of an uncut run. Fails if the client's leaving aborts the engine request (the resume is 410),
+    or the journal repeats or loses events."""
+    import asyncio
+
+    import psutil
+
+    from app.clusters.tiny_model import make_tiny_model
+    from deployments import engine as vllm_adapter
+    from deployments.http.asgi import stream_asgi
+    from deployments.http.protocol import INTERNAL_SCOPE_KEY, HTTPRequest, ResponseStart
+    from deployments.server.front import EngineSide, FrontOptions, ReplicaFront
+    from deployments.server.models import ModelTable
+    from deployments.server.stream_journal import StreamJournals
+    from tests.engine_checks import titled
+    from tests.resume_checks import text_of
+
+    model = make_tiny_model(tmp_path / "m")
+    kwargs = {"max_model_len": 1024, "enforce_eager": True, "dtype": "bfloat16", "kv_cache_memory_bytes": 64 << 20}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "max_tokens": 600,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    json_headers = [(b"content-type", b"application/json")]
+
+    def events(data: bytes) -> list[tuple[str | None, str]]:
+        out = []
+        for event in (e for e in data.split(b"\n\n") if e.strip()):
+            fields = dict(line.split(": ", 1) for line in event.decode().splitlines())
+            out.append((fields.get("id"), fields["data"]))
+        return out
+
+    async def run() -> None:
+        args = vllm_adapter.serve_namespace(str(model), "m", kwargs, {})
+        engine_app = await vllm_adapter.start_engine_app(args, metrics=False)
+        journals = StreamJournals(window_s=120, max_bytes=1 << 24)
+        front = ReplicaFront(
+            EngineSide(engine_app.app, lambda: False, "r1"), ModelTable("m", ["m"]), FrontOptions(journals=journals)
+        )
+
+        async def internal(scope, receive, send):  # as LLMServer._internal_front: the ingress let it in
+            await front({**scope, INTERNAL_SCOPE_KEY: True}, receive, send)
+
+        (core,) = titled(psutil.Process().children(recursive=True), "EngineCore")
+        try:
+            uncut = b""
+            plain = HTTPRequest("POST", "/v1/chat/completions", json.dumps(body).encode(), headers=json_headers)
+            async for item in stream_asgi(internal, plain):
+                uncut += b"" if isinstance(item, ResponseStart) else item
+            whole = events(uncut)
+            for _ in range(5):  # caught mid-stream: a starved test process can find the tiny model's stream done
+                bridge = stream_asgi(
+                    internal,
+                    HTTPRequest("POST", "/v1/chat/completions", json.dumps(body).encode(), headers=json_headers),
+                )
+                start, first = await bridge.__anext__(), b""
+                while len(events(first)) < 3:
+                    first += await bridge.__anext__()
+                core.suspend()  # the engine stops mid-stream: nothing more until it runs again
+                journal = list(journals.streams.values())[-1]
+                if not journal.ended:
+                    break
+                core.resume()
+                await bridge.aclose()
+            await bridge.aclose()  # the ingress's client left: Serve closes the replica's generator
+            assert not journal.ended and not journal.abort.is_set(), "the request ended with its client"
+            got = events(first)
+            resume = stream_asgi(
+                internal,
+                HTTPRequest("POST", "/v1/chat/completions", b"", headers=[(b"last-event-id", got[-1][0].encode())]),
+            )
+            again_start, rest = await resume.__anext__(), b""
+            assert again_start.status == 200, again_start
+            while len(got) + len(events(rest)) < journal.count:  # what the engine wrote before it stopped
+                rest += await resume.__anext__()
+            assert not journal.ended  # the rest is still to come: live
+            core.resume()
+            async for item in resume:
+                rest += item
+            both = got + events(rest)
+            numbers = [int(i.rsplit(":", 1)[1]) for i, _ in both]
+            assert numbers == list(range(1, len(both) + 1)) and both[-1][1] == "[DONE]", numbers
+            assert dict(start.headers)[b"x-summit-stream-id"] == dict(again_start.headers)[b"x-summit-stream-id"]
+            assert text_of(both) == text_of(whole) and text_of(whole), (text_of(both), text_of(whole))
+        finally:
+            if core.status() == psutil.STATUS_STOPPED:
+                core.resume()
+            vllm_adapter.shutdown_engine(engine_app.engine)
+
+    asyncio.run(run())

@@ -72,3 +72,34 @@ def test_the_entry_steps_refuse_as_the_replica_front_does(monkeypatch):
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
     assert json.loads(asyncio.run(post(app, [1], {"authorization": "Bearer k"})).text)["error"]["code"] == 400
     assert not servers["a"].seen and not servers["b"].seen
+
+
+def test_a_resume_goes_to_the_replica_keeping_the_stream_with_its_callers_owner(monkeypatch):
+    """`Last-Event-ID` naming a Summit stream: the ingress sends the request (no body needed) to the stream's model's
+    deployment pinned to the replica that keeps it (x-summit-target-replica) with the caller's owner (a hash of its
+    key; a client's own x-summit-owner is dropped); an id of an unknown model is a 404 naming the header. Fails if a
+    resume starts a new generation elsewhere, or another caller's owner reaches the replica."""
+    from deployments.http.stream_ids import new_stream_id
+    from deployments.pipeline.auth import owner_of
+
+    monkeypatch.setenv("TEST_INGRESS_KEYS", "k1,k2")
+    app, servers = ingress(keys=True)
+    stream = new_stream_id("b", 0, "replica-7")
+    headers = {"authorization": "Bearer k2", "last-event-id": f"{stream}:5", "x-summit-owner": "forged"}
+    transport = httpx.ASGITransport(app=app)
+
+    async def run():
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+            resumed = await client.post("/v1/chat/completions", content=b"", headers=headers)
+            unknown = await client.post(
+                "/v1/completions", content=b"", headers={**headers, "last-event-id": f"{new_stream_id('z', 0, 'r')}:0"}
+            )
+            return resumed, unknown
+
+    resumed, unknown = asyncio.run(run())
+    assert resumed.status_code == 200 and "data: b" in resumed.text
+    (sent,) = servers["b"].seen
+    assert not servers["a"].seen and sent.path == "/v1/chat/completions" and sent.body == b""
+    assert sent.header(b"x-summit-target-replica") == b"replica-7"
+    assert [v for k, v in sent.headers if k == b"x-summit-owner"] == [owner_of(b"Bearer k2")]
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "Last-Event-ID"
