@@ -1,5 +1,7 @@
 """Stream migration's continuation on the installed vLLM, in-process (no Ray): a stream cut at any chunk and continued
-on the same engine gives the rest of the uncut stream, text and token ids.
+on the same engine gives the rest of the uncut stream, text and token ids. And a client-resumable stream
+(`stream_resume`) on the two-hop path's replica side: dropped, resumed with `Last-Event-ID`, missed events then the
+live rest. The module's tests share one engine.
 
 The migration itself (real engines killed under temperature-0 streams on the direct path) is
 `test_faults.py::test_streams_resume_on_another_replica_token_for_token`: it shares the fault cases' app, one cluster
@@ -17,23 +19,58 @@ pytestmark = pytest.mark.timeout(900)
 _TEXT = re.compile(rb'"(text|content)":"(?:[^"\\]|\\.)*"')  # a JSON string's value, escapes and all
 
 
-def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
+class InProcessEngine:
+    """One engine of the installed vLLM in this process, on an event loop of its own (a thread): the module's tests
+    share it (one engine start for CI). `run(coro)` runs a coroutine there."""
+
+    def __init__(self, model_dir):
+        import asyncio
+        import threading
+
+        from deployments import engine as vllm_adapter
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        kwargs = {"max_model_len": 1024, "enforce_eager": True, "dtype": "bfloat16", "kv_cache_memory_bytes": 64 << 20}
+        args = vllm_adapter.serve_namespace(str(model_dir), "m", kwargs, {})
+        self.app = self.run(vllm_adapter.start_engine_app(args, metrics=False))
+
+    def run(self, coro, timeout_s: float = 600):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self) -> None:
+        from deployments import engine as vllm_adapter
+
+        vllm_adapter.shutdown_engine(self.app.engine)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from app.clusters.tiny_model import make_tiny_model
+
+    started = InProcessEngine(make_tiny_model(tmp_path_factory.mktemp("migration") / "m"))
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def test_a_continuation_from_any_cut_writes_the_uncut_stream(engine):
     """The installed vLLM in-process, without Ray: a temperature-0 stream's chunks through
     `Resumable.outgoing` are vLLM's own bytes without token ids; cut after k chunks, the continuation request run on
     the same engine and rewritten gives the rest of the uncut stream, text and ids, for completions and chat. At
     least three cuts a route are checked (after the first chunk, mid-stream, near the end): a stream that vLLM merged
     into too few chunks is asked again, and fails the test rather than leave nothing to check. Fails if a
     continuation repeats, skips or re-numbers a token."""
-    import asyncio
-
-    from app.clusters.tiny_model import make_tiny_model
     from deployments import engine as vllm_adapter
     from deployments.http.asgi import stream_asgi
     from deployments.http.protocol import HTTPRequest, ResponseStart
     from deployments.pipeline.resumable import Resumable
-
-    model = make_tiny_model(tmp_path / "m")
-    kwargs = {"max_model_len": 1024, "enforce_eager": True, "dtype": "bfloat16", "kv_cache_memory_bytes": 64 << 20}
 
     async def events(app, path: str, body: dict) -> list[bytes]:
         out = b""
@@ -74,59 +111,55 @@ def test_a_continuation_from_any_cut_writes_the_uncut_stream(tmp_path):
         raise AssertionError(f"{path}: vLLM merged the stream into fewer than {chunks} chunks in 8 tries: {stream[:3]}")
 
     async def run() -> None:
-        args = vllm_adapter.serve_namespace(str(model), "m", kwargs, {})
-        engine_app = await vllm_adapter.start_engine_app(args, metrics=False)
-        try:
-            for path, extra in (
-                ("/v1/completions", {"prompt": "The ridge at dawn"}),
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}]}),
-            ):
-                payload = {
-                    "model": "m",
-                    "max_tokens": 60,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                    **extra,
-                }
-                plain = await uncut(engine_app.app, path, payload, 2)
-                with_ids = await uncut(engine_app.app, path, {**payload, "return_token_ids": True}, 10)
-                uncut_text, uncut_ids = texts(with_ids)
-                assert uncut_text == texts(plain)[0] and len(uncut_ids) == payload["max_tokens"], path
-                assert any(b'"token_ids":null' in e for e in plain), plain[:2]  # vLLM writes it so without ids
-                vllms_own = {skeleton(e) for e in plain}
-                n = len(with_ids)  # ... the last token's chunk, the usage chunk, [DONE]
-                cuts = sorted({c for c in (1, 7, n // 2, n - 3) if 1 <= c <= n - 3})
-                assert len(cuts) >= 3, (path, n)  # at least 10 chunks: the first, one mid-stream, one near the end
-                for cut in cuts:
-                    resume = Resumable(
-                        path,
-                        payload,
-                        "m",
-                        b"r",
-                        lambda *point: vllm_adapter.output_detokenizer(engine_app.engine, *point),
-                    )
-                    sent = [resume.outgoing(e + b"\n\n") for e in with_ids[:cut]]
-                    assert all(b'"token_ids":[' not in e for e in sent), (path, cut)
-                    assert {skeleton(e) for e in sent} <= vllms_own, (path, cut, sent[:2], plain[:2])
-                    resume.outgoing(b'data: {"error": {"message": "engine died"}}\n\n')
-                    assert resume.failed and len(resume.generated) == len(texts(with_ids[:cut])[1])
-                    request = resume.continuation()
-                    rest = await events(engine_app.app, request.path, json.loads(request.body))
-                    written = [resume.rewrite(e) for e in rest]
-                    assert texts(sent)[0] + texts(written)[0] == texts(plain)[0], (path, cut)
-                    assert resume.generated == uncut_ids, (path, cut)
-                    usage = [json.loads(e[6:])["usage"] for e in written if b'"usage"' in e]
-                    assert usage == [json.loads(plain[-2][6:])["usage"]], (path, cut)
-                    assert written[-1] == b"data: [DONE]"
-        finally:
-            vllm_adapter.shutdown_engine(engine_app.engine)
+        engine_app = engine.app
+        for path, extra in (
+            ("/v1/completions", {"prompt": "The ridge at dawn"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}]}),
+        ):
+            payload = {
+                "model": "m",
+                "max_tokens": 60,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                **extra,
+            }
+            plain = await uncut(engine_app.app, path, payload, 2)
+            with_ids = await uncut(engine_app.app, path, {**payload, "return_token_ids": True}, 10)
+            uncut_text, uncut_ids = texts(with_ids)
+            assert uncut_text == texts(plain)[0] and len(uncut_ids) == payload["max_tokens"], path
+            assert any(b'"token_ids":null' in e for e in plain), plain[:2]  # vLLM writes it so without ids
+            vllms_own = {skeleton(e) for e in plain}
+            n = len(with_ids)  # ... the last token's chunk, the usage chunk, [DONE]
+            cuts = sorted({c for c in (1, 7, n // 2, n - 3) if 1 <= c <= n - 3})
+            assert len(cuts) >= 3, (path, n)  # at least 10 chunks: the first, one mid-stream, one near the end
+            for cut in cuts:
+                resume = Resumable(
+                    path,
+                    payload,
+                    "m",
+                    b"r",
+                    lambda *point: vllm_adapter.output_detokenizer(engine_app.engine, *point),
+                )
+                sent = [resume.outgoing(e + b"\n\n") for e in with_ids[:cut]]
+                assert all(b'"token_ids":[' not in e for e in sent), (path, cut)
+                assert {skeleton(e) for e in sent} <= vllms_own, (path, cut, sent[:2], plain[:2])
+                resume.outgoing(b'data: {"error": {"message": "engine died"}}\n\n')
+                assert resume.failed and len(resume.generated) == len(texts(with_ids[:cut])[1])
+                request = resume.continuation()
+                rest = await events(engine_app.app, request.path, json.loads(request.body))
+                written = [resume.rewrite(e) for e in rest]
+                assert texts(sent)[0] + texts(written)[0] == texts(plain)[0], (path, cut)
+                assert resume.generated == uncut_ids, (path, cut)
+                usage = [json.loads(e[6:])["usage"] for e in written if b'"usage"' in e]
+                assert usage == [json.loads(plain[-2][6:])["usage"]], (path, cut)
+                assert written[-1] == b"data: [DONE]"
 
-    asyncio.run(run())
+    engine.run(run())
 
 
-def test_a_stream_dropped_on_the_two_hop_path_resumes_with_the_missed_events_then_the_live_rest(tmp_path):
+def test_a_stream_dropped_on_the_two_hop_path_resumes_with_the_missed_events_then_the_live_rest(engine):
     """The two-hop path's replica side on the installed vLLM, in-process: Summit's front with stream_resume on, driven
     through the bridge `LLMServer.handle_http` runs (`stream_asgi`, the request marked internal as from the ingress).
     A temperature-0 chat stream read for 3 events, its engine core then paused (SIGSTOP: the stream cannot end), the
@@ -134,12 +167,8 @@ def test_a_stream_dropped_on_the_two_hop_path_resumes_with_the_missed_events_the
     events written so far, and — once the engine runs again — the live rest: with the dropped part, one stream (ids
     1..N) with the text of an uncut run. Fails if the client's leaving aborts the engine request (the resume is 410),
     or the journal repeats or loses events."""
-    import asyncio
-
     import psutil
 
-    from app.clusters.tiny_model import make_tiny_model
-    from deployments import engine as vllm_adapter
     from deployments.http.asgi import stream_asgi
     from deployments.http.protocol import INTERNAL_SCOPE_KEY, HTTPRequest, ResponseStart
     from deployments.server.front import EngineSide, FrontOptions, ReplicaFront
@@ -148,12 +177,10 @@ def test_a_stream_dropped_on_the_two_hop_path_resumes_with_the_missed_events_the
     from tests.engine_checks import titled
     from tests.resume_checks import text_of
 
-    model = make_tiny_model(tmp_path / "m")
-    kwargs = {"max_model_len": 1024, "enforce_eager": True, "dtype": "bfloat16", "kv_cache_memory_bytes": 64 << 20}
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "Hi there"}],
-        "max_tokens": 600,
+        "max_tokens": 200,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -168,8 +195,7 @@ def test_a_stream_dropped_on_the_two_hop_path_resumes_with_the_missed_events_the
         return out
 
     async def run() -> None:
-        args = vllm_adapter.serve_namespace(str(model), "m", kwargs, {})
-        engine_app = await vllm_adapter.start_engine_app(args, metrics=False)
+        engine_app = engine.app
         journals = StreamJournals(window_s=120, max_bytes=1 << 24)
         front = ReplicaFront(
             EngineSide(engine_app.app, lambda: False, "r1"), ModelTable("m", ["m"]), FrontOptions(journals=journals)
@@ -222,6 +248,5 @@ def test_a_stream_dropped_on_the_two_hop_path_resumes_with_the_missed_events_the
         finally:
             if core.status() == psutil.STATUS_STOPPED:
                 core.resume()
-            vllm_adapter.shutdown_engine(engine_app.engine)
 
-    asyncio.run(run())
+    engine.run(run())

@@ -26,6 +26,8 @@ def test_there_are_mutations_for_each_claimed_feature():
         "latency-target-ignored",
         "rate-limit-never-refuses",
         "continuation-not-resumed",
+        "stream-resume-ignored",
+        "stream-abandoned-on-disconnect",
     } <= set(MUTATIONS)
 
 
