@@ -313,3 +313,42 @@ def test_a_client_that_leaves_a_resumable_stream_leaves_its_request_running_for_
         assert front.options.admission._running == 0
 
     asyncio.run(run())
+
+
+def test_a_resume_reaching_another_replica_or_process_goes_on_to_the_one_keeping_the_stream():
+    """The front (fake engine app) gets resumes of streams it does not keep: one of another replica goes on through the
+    deployment's handle pinned to that replica (x-summit-target-replica, marked forwarded, with the caller's owner);
+    one of its own replica's front process goes to that process (`siblings`); one already passed on once is 410, not
+    passed on again. Fails if a resume is answered where it landed (404: this process keeps no such stream)."""
+    from deployments.http.protocol import ResponseStart
+    from tests.unit.test_front import FakeReplicaStream
+
+    sent, asked = [], []
+
+    def to_keeper(request):
+        sent.append(request)
+        return FakeReplicaStream([ResponseStart(200, [(b"content-type", b"text/event-stream")]), b"data: kept\n\n"])
+
+    def siblings(front, point, caller):
+        asked.append((front, point.stream, caller))
+        return FakeReplicaStream([ResponseStart(200, []), b"data: sibling\n\n"])
+
+    async def run() -> None:
+        front, _ = streaming_front(True)
+        front.options.to_keeper, front.options.siblings = to_keeper, siblings
+        elsewhere = new_stream_id("a", 0, "replica-2")
+        there = Connection(front, [(b"last-event-id", f"{elsewhere}:4".encode())], body=b"")
+        await asyncio.wait_for(there.task, 10)
+        (request,) = sent
+        assert request.header(b"x-summit-target-replica") == b"replica-2" and request.header(b"x-summit-forwarded")
+        assert request.header(b"last-event-id") == f"{elsewhere}:4".encode() and b"data: kept" in there.body
+        own_front = new_stream_id("a", 1, "replica-1")
+        sibling = Connection(front, [(b"last-event-id", f"{own_front}:0".encode())], body=b"")
+        await asyncio.wait_for(sibling.task, 10)
+        assert asked == [(1, own_front, b"")] and b"data: sibling" in sibling.body
+        again = Connection(front, [(b"last-event-id", f"{elsewhere}:4".encode()), (b"x-summit-forwarded", b"1")])
+        await asyncio.wait_for(again.task, 10)
+        start = next(m for m in again.messages if m["type"] == "http.response.start")
+        assert start["status"] == 410 and len(sent) == 1
+
+    asyncio.run(run())
