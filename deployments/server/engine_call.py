@@ -159,7 +159,7 @@ class EngineCall:
         if journals is not None and is_sse and status == 200 and not self.ctx.header(AVOID_HEADER):
             stream_id = new_stream_id(self.front.table.model, self.options.front_index, self.engine.replica_id)
             self.journal = journals.open(stream_id, self.ctx.caller)
-            self.journal.read(self.sink)
+            await self.journal.read(self.sink)
             out.append((STREAM_HEADER, stream_id.encode()))
         if self.error is None:
             await self.ctx.send(message)

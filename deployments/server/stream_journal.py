@@ -13,6 +13,7 @@ remembered (410, not 404). Plain asyncio: no Ray, no vLLM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -70,13 +71,18 @@ class Journal:
         if not more:
             self.changed.set()
 
-    def read(self, sink: Sink) -> int:
-        """`sink` reads the stream from now on (the connection before it gets nothing more); its reader number."""
-        self.sink, self.reader = sink, self.reader + 1
+    async def read(self, sink: Sink) -> int:
+        """`sink` reads the stream from now on; the connection that read it before gets the end of its body and
+        nothing more. Returns this reader's number."""
+        previous, self.sink, self.reader = self.sink, sink, self.reader + 1
+        mine = self.reader
         self._stop_timer()
         self.changed.set()
         self.changed = asyncio.Event()
-        return self.reader
+        if previous is not None and previous != sink:
+            with contextlib.suppress(Exception):  # its client may be gone already
+                await previous(b"", False)
+        return mine
 
     def leave(self, sink: Sink) -> None:
         """The connection of `sink` went: if it was the reader, the stream waits for the next, at most the window."""
@@ -199,7 +205,8 @@ class StreamJournals:
 
 async def follow(journal: Journal, seen: int, sink: Sink, disconnected: Awaitable[None]) -> str:
     """A resumed connection: the events after the `seen` first, then the live rest, until the stream ends, another
-    connection takes it over or this one's client leaves (`disconnected` completes). Returns which."""
+    connection takes it over (then this one's body has ended) or this one's client leaves (`disconnected`
+    completes). Returns which."""
     reader, sent = 0, seen
     gone = asyncio.ensure_future(disconnected)
     try:
@@ -214,7 +221,7 @@ async def follow(journal: Journal, seen: int, sink: Sink, disconnected: Awaitabl
             if journal.ended:  # every event sent: the end of the body
                 await sink(b"", False)
                 return "ended"
-            reader = journal.read(sink)  # caught up, nothing awaited since the check: the writer sends the rest
+            reader = await journal.read(sink)  # caught up, nothing awaited since the check: the writer sends the rest
         while True:
             changed = asyncio.ensure_future(journal.changed.wait())
             await asyncio.wait({changed, gone}, return_when=asyncio.FIRST_COMPLETED)

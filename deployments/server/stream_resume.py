@@ -50,8 +50,6 @@ async def resume_stream(front, ctx: RequestContext, point: StreamPoint) -> None:
 
     outcome = await follow(journal, point.seen, sink, until_disconnect(ctx.receive))
     logger.info("stream %s resumed after event %d: %s", point.stream, point.seen, outcome)
-    if outcome != "ended":  # taken over by a later resume, or this client left too: its body ends here
-        await sink(b"", False)
 
 
 async def _to_replica(front, ctx: RequestContext, point: StreamPoint, model: str) -> None:
