@@ -15,7 +15,8 @@ route picker), vLLM as N api_servers (the client picks each model's server); Ray
 one model per application and is left out. `--monitoring-cost` runs only Summit, with its monitoring off and on
 (metrics and traces), and prints the on/off ratios of CPU-seconds (every process of the Ray cluster, metrics agent
 included) per 1,000 output tokens and of tok/s. `--spin-cost` runs vLLM, Summit, and Summit with its engine's queue
-readers spinning 0.1 s after a read instead of vLLM's 1 s (`SUMMIT_ENGINE_SPIN_S=0.1`).
+readers spinning 0.1 s after a read instead of vLLM's 1 s (`SUMMIT_ENGINE_SPIN_S=0.1`). `--resume-cost` runs only
+Summit, with `models[].stream_resume` off and on (`summit-resume`: every event numbered and kept).
 `--front-processes N` adds `summit-fronts`, the direct path with `models[].front_processes: N` (the engine's serving
 work in N processes that share the replica's port). `--profile DIR` records py-spy on the replica, vLLM's server and
 the engine processes during each load (bench/pyspy.py). Prints output tok/s, TTFT p50/p99 and serving CPU-seconds per
@@ -270,8 +271,9 @@ def bench_summit(
     app_env: dict[str, str] | None = None,
     cluster_env: dict[str, str] | None = None,
     fronts: int | None = None,
+    resume: bool = False,
 ) -> tuple[float, list[LoadResult]]:
-    config = summit_config(ns, model_dir, tp, replicas, monitoring, app_env, fronts)
+    config = summit_config(ns, model_dir, tp, replicas, monitoring, app_env, fronts, resume)
     return serve_peer(ns, config, {**engine_env(ns), **(cluster_env or {})}, haproxy)
 
 
@@ -283,9 +285,10 @@ def summit_config(
     monitoring: dict | None = None,
     app_env: dict[str, str] | None = None,
     fronts: int | None = None,
+    resume: bool = False,
 ) -> dict:
     """The Serve config of Summit's peer: the shipped defaults but for the load's engine settings (`fronts`: None
-    leaves models[].front_processes at its default, auto)."""
+    leaves models[].front_processes at its default, auto; `resume`: models[].stream_resume on)."""
     models = [
         {
             "name": name,
@@ -297,6 +300,7 @@ def summit_config(
             "stream_coalesce_ms": ns.coalesce_ms,
             "deployment": {"num_cpus": 0.5 if ns.accelerator == "cpu" else 1, "num_replicas": replicas},
             **({} if fronts is None else {"front_processes": fronts}),
+            **({"stream_resume": {}} if resume else {}),
         }
         for name in model_names(ns)
     ]
@@ -534,6 +538,11 @@ def main() -> None:
         help="py-spy (50 Hz) on the replica, vLLM's server and the engine processes of each peer during each load: "
         "raw samples and a summary per process in DIR (bench/pyspy.py)",
     )
+    p.add_argument(
+        "--resume-cost",
+        action="store_true",
+        help="only Summit, with models[].stream_resume off and on (summit-resume): the cost of keeping streams",
+    )
     p.add_argument("--json", help="also write the figures here")
     ns = p.parse_args()
     if ns.coalesce_ms is None:
@@ -567,6 +576,7 @@ def main() -> None:
             ns, d, tp, r, True, None, None, {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
         ),
         "summit-fronts": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, fronts=ns.front_processes),
+        "summit-resume": lambda ns, d, tp, r: bench_summit(ns, d, tp, r, True, resume=True),
     }
     wanted = {"vllm", "summit"} | ({"summit-hops"} if ns.hops else set()) | ({"rayllm"} if ns.rayllm else set())
     if ns.monitoring_cost:
@@ -575,6 +585,8 @@ def main() -> None:
         wanted = {"vllm", "summit", "summit-spin-0.1s"}
     if ns.daemon_cost:
         wanted = {"vllm", "summit", "summit-loop-0.5s"}
+    if ns.resume_cost:
+        wanted = {"summit", "summit-resume"}
     if ns.front_processes > 1:
         wanted |= {"summit-fronts"}
     if ns.models > 1 and "rayllm" in wanted:

@@ -670,3 +670,29 @@ def test_a_dropped_stream_resumes_after_its_last_event_through_any_replica_for_i
     assert other.status == 404 and json.loads(other.body)["error"]["param"] == "Last-Event-ID", other.body
     ahead = read_stream(url, None, {**AUTH, "last-event-id": f"{stream}:{n + 5}"})
     assert ahead.status == 400, ahead.body
+
+
+def test_a_dropped_responses_stream_read_with_the_openai_client_resumes_exactly_once(features_app, client):
+    """The Responses API's stream (typed events: `event:` and `data:` lines) on the model with stream_resume, read
+    through the official client's raw stream and dropped after 4 events; the resume (httpx, `Last-Event-ID`) and a
+    replay of the whole stream (`<stream id>:0`) agree: the dropped part and the rest are the replay, event for event,
+    ending in `response.completed`. Fails if a resume repeats, skips or reorders an event of a typed stream."""
+    request = {"model": RESUMABLE, "input": "Tell a tale.", "max_output_tokens": 24, "temperature": 0, "stream": True}
+    with client.responses.with_streaming_response.create(**request) as raw:
+        stream_id = raw.headers["x-summit-stream-id"]
+        got: list[tuple[str, str]] = []
+        event_id = None
+        for line in raw.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                got.append((event_id, line[6:]))
+                if len(got) == 4:
+                    break  # leaving the block closes the connection
+    url = features_app.base_url + "/v1/responses"
+    rest = read_stream(url, None, {**AUTH, "last-event-id": got[-1][0]})
+    replay = read_stream(url, None, {**AUTH, "last-event-id": f"{stream_id}:0"})
+    assert rest.status == 200 and replay.status == 200, (rest.body, replay.body)
+    assert [i for i, _ in got] == [f"{stream_id}:{n}" for n in range(1, 5)]
+    assert got + rest.events == replay.events and len(replay.events) > 6
+    assert json.loads(replay.events[-1][1])["type"] == "response.completed", replay.events[-1]
