@@ -50,6 +50,16 @@ def passed_on(ctx: RequestContext, model: str, extra: list[tuple[bytes, bytes]] 
     return HTTPRequest(ctx.method, ctx.path, ctx.body or b"", ctx.query_string, headers, model=model)
 
 
+async def to_keeper(ctx: RequestContext, replica: str, model: str | None, forward: Call | None, gone: OpenAIError):
+    """A request about what one replica keeps in its memory (a stored response, a stream's journal) goes on to that
+    replica (Summit's routers send it there while it lives) — once: a request passed on already, of no model here,
+    or with nowhere to go, is answered `gone`."""
+    if model is None or forward is None or ctx.header(FORWARDED_HEADER):
+        raise gone
+    extra = [(FORWARDED_HEADER, b"1"), (TARGET_HEADER, replica.encode())]
+    await relay(forward(passed_on(ctx, model, extra)), model, ctx.receive, ctx.send)
+
+
 async def to_model_replica(ctx: RequestContext, model: str, forward: Call | None, here: str) -> None:
     """A request for another model of the deployment (a body cut at HAProxy's buffer, a stale route, a LoRA load for
     another model) goes on to one of `model`'s replicas — once: a request handed on already is refused."""

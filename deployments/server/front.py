@@ -28,11 +28,8 @@ from deployments.http.errors import OpenAIError
 from deployments.http.openapi import build as build_openapi
 from deployments.http.protocol import (
     BATCH_LINE_SCOPE_KEY,
-    FORWARDED_HEADER,
     REPLICA_HEADER,
-    TARGET_HEADER,
 )
-from deployments.http.relay import relay
 from deployments.http.routes import POST_ROUTES, Route, route_of
 from deployments.http.stream_ids import LAST_EVENT_HEADER, resume_point
 from deployments.lora.adapters import AdapterLoadError
@@ -50,7 +47,7 @@ from deployments.pipeline.entry import (
     resolve_model,
     route_not_served,
 )
-from deployments.pipeline.handoff import Call, passed_on, to_batch_api, to_model_replica
+from deployments.pipeline.handoff import Call, to_batch_api, to_keeper, to_model_replica
 from deployments.pipeline.migration import resumable_stream
 from deployments.pipeline.prefill import Disaggregated, prefill_first
 from deployments.pipeline.rate_limit import Limits
@@ -294,16 +291,13 @@ class ReplicaFront(Entry):
         await self.engine.app(scope, ctx.receive, ctx.send)
 
     async def _to_keeper(self, ctx: RequestContext, keeper: response_ids.Owner, response_id: str) -> None:
-        model = keeper.model(self.table.names())
-        if model is None or self.options.to_keeper is None or ctx.header(FORWARDED_HEADER):
-            raise OpenAIError(
-                404,
-                f"Response with id {response_id!r} not found: the replica that kept it ({keeper.replica}) no longer "
-                "runs (stored responses live in their replica's memory)",
-                param="response_id",
-            )
-        extra = [(FORWARDED_HEADER, b"1"), (TARGET_HEADER, keeper.replica.encode())]
-        await relay(self.options.to_keeper(passed_on(ctx, model, extra)), model, ctx.receive, ctx.send)
+        gone = OpenAIError(
+            404,
+            f"Response with id {response_id!r} not found: the replica that kept it ({keeper.replica}) no longer "
+            "runs (stored responses live in their replica's memory)",
+            param="response_id",
+        )
+        await to_keeper(ctx, keeper.replica, keeper.model(self.table.names()), self.options.to_keeper, gone)
 
     # other routes
 

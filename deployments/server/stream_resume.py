@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 
 from deployments.http.errors import OpenAIError
-from deployments.http.protocol import FORWARDED_HEADER, REPLICA_HEADER, TARGET_HEADER
+from deployments.http.protocol import REPLICA_HEADER
 from deployments.http.relay import relay, until_disconnect
 from deployments.http.stream_ids import STREAM_HEADER, StreamPoint
 from deployments.pipeline.context import RequestContext
-from deployments.pipeline.handoff import passed_on
+from deployments.pipeline.handoff import to_keeper
 from deployments.server.stream_journal import follow
 
 logger = logging.getLogger("ray.serve")
@@ -53,12 +53,10 @@ async def resume_stream(front, ctx: RequestContext, point: StreamPoint) -> None:
 
 
 async def _to_replica(front, ctx: RequestContext, point: StreamPoint, model: str) -> None:
-    if front.options.to_keeper is None or ctx.header(FORWARDED_HEADER):
-        raise OpenAIError(
-            410,
-            f"stream {point.stream!r} can no longer be resumed: the replica that kept it ({point.replica}) no longer "
-            "runs (streams are kept in their replica's memory)",
-            param="Last-Event-ID",
-        )
-    extra = [(FORWARDED_HEADER, b"1"), (TARGET_HEADER, point.replica.encode())]
-    await relay(front.options.to_keeper(passed_on(ctx, model, extra)), model, ctx.receive, ctx.send)
+    gone = OpenAIError(
+        410,
+        f"stream {point.stream!r} can no longer be resumed: the replica that kept it ({point.replica}) no longer "
+        "runs (streams are kept in their replica's memory)",
+        param="Last-Event-ID",
+    )
+    await to_keeper(ctx, point.replica, model, front.options.to_keeper, gone)
