@@ -643,7 +643,7 @@ def test_a_full_replica_unloads_its_least_recently_used_idle_adapter(features_ap
 
 def test_a_dropped_stream_resumes_after_its_last_event_through_any_replica_for_its_key_alone(features_app):
     """stream_resume on the tiny Mixtral (1 of the deployment's replicas), real engines on the direct path, keys on: a
-    temperature-0 stream dropped after its first event, half of them and all but 3, sent again with `Last-Event-ID`
+    temperature-0 stream dropped after its first event, its 5th and its 10th, sent again with `Last-Event-ID`
     (no body) through HAProxy and to every replica's own port (all but one of which must pass it on to the replica
     keeping it): each resume gets the rest once, and the dropped part with it is one stream (ids 1..N) with the text
     of an uncut run. Another key gets 404, an id past the stream 400. Fails with the resume ignored (a new generation:
@@ -657,9 +657,13 @@ def test_a_dropped_stream_resumes_after_its_last_event_through_any_replica_for_i
     assert uncut.done and n >= 10 and uncut.headers.get("x-summit-stream-id"), (n, uncut.headers)
     entries = [features_app.base_url] + [f"http://{h}:{p}" for h, p in replica_ports(features_app)]
     assert len(entries) == 1 + REPLICAS, entries
-    for cut in (1, n // 2, n - 3):
-        first = read_stream(url, body, AUTH, stop_after=cut)
-        assert len(first.events) == cut and not first.done, first
+    for cut in (1, 5, 10):
+        for _ in range(5):  # a loaded box can have vLLM merge a lagging stream's tokens into fewer events
+            first = read_stream(url, body, AUTH, stop_after=cut)
+            if len(first.events) == cut and not first.done:
+                break
+        else:
+            pytest.fail(f"every stream ended within {cut} events (vLLM merged their tokens): nothing to cut there")
         for base in entries:
             rest = read_stream(base + "/v1/completions", None, {**AUTH, "last-event-id": first.last_id})
             assert rest.status == 200, (cut, base, rest.body)
