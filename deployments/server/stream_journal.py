@@ -170,6 +170,8 @@ class StreamJournals:
     def grew(self, journal: Journal, added: int) -> None:
         """Past `max_bytes`: the oldest ended streams go; if that is not enough, this one can no longer be resumed."""
         self.bytes += added
+        if self.bytes <= self.max_bytes:  # the common case, on every chunk: nothing to look through
+            return
         for old in [j for j in self.streams.values() if j.ended and j is not journal]:
             if self.bytes <= self.max_bytes:
                 break
