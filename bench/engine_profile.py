@@ -10,6 +10,13 @@ its batch is known from the requests put in: prompts alone of 32 to `--max-prefi
 StepProfile are fitted to all of them (least squares), and the file keeps the samples, the engine's settings and the
 fit's median error. `--start-s`: the replica's cold start the simulator charges (measured elsewhere: the routing and
 autoscaling runs in bench/results).
+
+Async scheduling (GPU): each step above is timed alone (vLLM's async scheduler off: with it on a step's outputs come
+back while the next one runs, so a step's time cannot be told apart). A served engine schedules asynchronously, which
+hides part of each step's CPU time; `--async-runs FILE` measures only that: decode runs of the same batches with
+async scheduling on, each step's time from two runs' difference (the same requests generating 8 and 8 + N tokens), and
+writes them to FILE; `--async-samples FILE` then fits the hidden time (StepProfile.async_gain_s, async_gain_seq_s)
+beside the steps timed alone and keeps those samples too.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from app.simulate.profile import StepProfile, fit, fit_error  # noqa: E402
+from app.simulate.profile import StepProfile, fit, fit_async_gain, fit_error  # noqa: E402
 from bench.engines import kv_bytes_per_token, model_dir_for  # noqa: E402
 
 
@@ -46,7 +53,9 @@ def engine(ns: argparse.Namespace, model_dir: str):
     else:
         # one step at a time: vLLM's async scheduler returns a step's outputs while the next runs on the GPU, which
         # shifts each measured time onto another step (seen: a 4,000-token prefill step read 16 ms on an H200)
-        kwargs.update(load_format="dummy", gpu_memory_utilization=ns.gpu_memory_utilization, async_scheduling=False)
+        kwargs.update(
+            load_format="dummy", gpu_memory_utilization=ns.gpu_memory_utilization, async_scheduling=bool(ns.async_runs)
+        )
     return LLM(**kwargs)
 
 
@@ -119,6 +128,48 @@ def measure(llm, ns: argparse.Namespace) -> list[dict]:
     return samples
 
 
+def run_wall(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds from putting the prompts in to the last request's end (any scheduling)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    eng = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"a{time.monotonic_ns()}-{i}", TokensPrompt(prompt_token_ids=p), params)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return time.perf_counter() - t0
+
+
+def measure_async(llm, ns: argparse.Namespace) -> list[dict]:
+    """Decode steps with async scheduling on: (wall of 8 + N tokens - wall of 8 tokens) / N, the same requests."""
+    import random
+
+    rng = random.Random(1)
+    top = min(ns.max_prefill, ns.max_model_len - ns.decode_tokens - 8)
+    samples = []
+    run_wall(llm, [[rng.randrange(10, 400) for _ in range(64)]], 4)  # warm-up
+    for context in (128, top // 2):
+        for b in ns.decode_batches or sorted({1, 2, max(1, ns.max_num_seqs // 2), ns.max_num_seqs}):
+            prompts = [[rng.randrange(10, 400) for _ in range(context)] for _ in range(b)]
+            walls = []
+            for n in (8, 8 + ns.decode_tokens):
+                fresh = [[rng.randrange(10, 400)] + p[1:] for p in prompts]  # no prefix-cache reuse between runs
+                walls.append(run_wall(llm, fresh, n))
+            step = (walls[1] - walls[0]) / ns.decode_tokens
+            samples.append(
+                {
+                    "kind": "decode_async",
+                    "prefill_tokens": 0,
+                    "decode_seqs": b,
+                    "context_tokens": b * (context + 8 + ns.decode_tokens // 2),
+                    "step_s": step,
+                }
+            )
+    return samples
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
@@ -141,13 +192,25 @@ def main() -> None:
         help="vLLM's eager mode (default: on CPU, as the shipped CPU config; off on GPUs: CUDA graphs)",
     )
     p.add_argument("--decode-batches", type=int, nargs="+", default=None, help="decoding requests measured")
-    p.add_argument("--out", required=True)
+    p.add_argument("--async-runs", metavar="FILE", help="measure decode runs with async scheduling on into FILE (only)")
+    p.add_argument("--async-samples", metavar="FILE", help="a --async-runs file: fit the time async scheduling hides")
+    p.add_argument("--out")
     ns = p.parse_args()
+    if not (ns.out or ns.async_runs):
+        p.error("give --out (the profile) or --async-runs (async decode runs)")
     if ns.eager is None:
         ns.eager = ns.accelerator == "cpu"
     model_dir = model_dir_for(ns.accelerator, ns.preset, ns.model_dir, prefix="summit-profile-")
     ns.kv_bytes_per_token = kv_bytes_per_token(model_dir)
     llm = engine(ns, model_dir)
+    if ns.async_runs:
+        t0 = time.perf_counter()
+        runs = measure_async(llm, ns)
+        Path(ns.async_runs).write_text(json.dumps(runs, indent=2) + "\n")
+        print(f"{len(runs)} async decode runs in {time.perf_counter() - t0:.0f} s:")
+        for r in runs:
+            print(f"  {r['decode_seqs']:>4} requests, {r['context_tokens']:>7} context: {r['step_s'] * 1000:.2f} ms")
+        return
     t0 = time.perf_counter()
     samples = measure(llm, ns)
     coef = fit(samples)
@@ -166,8 +229,17 @@ def main() -> None:
     )
     err = fit_error(profile, samples)
     profile.about += f"; the fit's median error {err:.1%}"
+    if ns.async_samples:
+        runs = json.loads(Path(ns.async_samples).read_text())
+        profile.async_gain_s, profile.async_gain_seq_s = fit_async_gain(profile, runs)
+        profile.samples += runs
+        profile.about += (
+            f"; {len(runs)} decode runs with async scheduling on, the hidden time fitted as "
+            f"{profile.async_gain_s * 1000:.2f} ms + {profile.async_gain_seq_s * 1e6:.2f} us a request "
+            f"(median error {fit_error(profile, runs, timed_alone=False):.1%})"
+        )
     profile.save(ns.out)
-    print(json.dumps(coef, indent=2), f"\nmedian fit error {err:.1%}; {len(samples)} steps")
+    print(json.dumps(coef, indent=2), f"\n{profile.about}")
 
 
 if __name__ == "__main__":

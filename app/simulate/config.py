@@ -57,4 +57,5 @@ def sim_model(
         max_num_seqs=chosen.max_num_seqs,
         max_num_batched_tokens=ek.get("max_num_batched_tokens") or profile.max_num_batched_tokens,
         max_model_len=ek.get("max_model_len") or 8192,
+        sleep_after_idle_s=chosen.deployment.sleep.after_idle_s if chosen.deployment.sleep else None,
     )

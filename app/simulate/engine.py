@@ -47,6 +47,11 @@ class SimRequest:
     anonymous: int = 0  # the blocks it holds that are not named (a partial last block, its output)
 
     @property
+    def prompt_text(self) -> str:
+        """What prefix_affinity keys on: the prompt's text, or its tokens as words (a simulated load's prompts)."""
+        return self.text or " ".join(map(str, self.tokens[:400]))
+
+    @property
     def target(self) -> int:
         """Tokens that must have KV before the next token can be sampled: the prompt, plus any output already
         streamed when a preemption made it start again."""
@@ -107,20 +112,25 @@ class KVCache:
         if self.refs[h] == 0:
             self.idle[h] = None
 
-    def take_named(self, h: int, parent: int | None, tokens: list[int]) -> bool:
-        """A newly computed full block: named at once (a block another request computed meanwhile is shared)."""
+    def take_named(self, h: int) -> bool | None:
+        """A newly computed full block, named at once: True if it is new (its caller announces it), False if another
+        request computed it meanwhile (shared), None if no block is free."""
         if h in self.refs:
             self.ref(h)
-            return True
-        if not self._make_room(1):
             return False
+        if not self._make_room(1):
+            return None
         self.refs[h] = 1
+        return True
+
+    def announce(self, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
+        """vLLM's BlockStored for consecutive new blocks."""
         if self.on_events:
             self.on_events(
                 [
                     {
                         "type": "BlockStored",
-                        "block_hashes": [h],
+                        "block_hashes": hashes,
                         "parent_block_hash": parent,
                         "token_ids": tokens,
                         "block_size": self.block_size,
@@ -129,7 +139,6 @@ class KVCache:
                     }
                 ]
             )
-        return True
 
     def take_anonymous(self, blocks: int) -> bool:
         if blocks <= 0:
@@ -216,13 +225,34 @@ class SimEngine:
         """Give `r` the blocks for `tokens` tokens of KV: its full prompt blocks named (announced), the rest
         anonymous."""
         cache, bs = self.cache, self.block_size
+        full = min(tokens // bs, len(r.hashes))
+        if len(r.named) >= full and (len(r.named) + r.anonymous) * bs >= tokens:
+            return True  # it has them already (most decode steps)
         cache.anonymous -= r.anonymous
         r.anonymous = 0
-        for i in range(len(r.named), min(tokens // bs, len(r.hashes))):
-            parent = r.hashes[i - 1] if i else None
-            if not cache.take_named(r.hashes[i], parent, r.tokens[i * bs : (i + 1) * bs]):
+        run: list[int] = []  # consecutive new blocks, announced in one event as vLLM does
+
+        def announce() -> None:
+            if run:
+                first = run[0]
+                cache.announce(
+                    r.hashes[first : run[-1] + 1],
+                    r.hashes[first - 1] if first else None,
+                    r.tokens[first * bs : (run[-1] + 1) * bs],
+                )
+                run.clear()
+
+        for i in range(len(r.named), full):
+            new = cache.take_named(r.hashes[i])
+            if new is None:
+                announce()
                 return False
             r.named.append(r.hashes[i])
+            if new:
+                run.append(i)
+            else:
+                announce()
+        announce()
         need = math.ceil(tokens / bs) - len(r.named)
         if not cache.take_anonymous(need):
             return False
@@ -265,7 +295,8 @@ class SimEngine:
                 if r.generated == 0:
                     r.first_token_at = end
                 r.generated += 1
-        for r in step.decodes:
+        for r in step.decodes:  # the last sampled token's KV, and the next token
+            r.computed += 1
             r.generated += 1
         return self._finish(end)
 
@@ -296,6 +327,7 @@ class SimEngine:
     def decode_run(self, k: int, start: float, step_s: float) -> list[SimRequest]:
         """`k` decode-only steps of `step_s` each from `start` (k from `decode_run_length`, or fewer)."""
         for r in list(self.running):
+            r.computed += k
             r.generated += k
             self._grow(r, len(r.tokens) + r.generated - 1)
         return self._finish(start + k * step_s)

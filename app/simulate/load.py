@@ -18,8 +18,8 @@ hot: 4
 hot_share: 0.8
 seed: 0
 ```
-Tokens are integers (a word each in the prompt's text, which prefix_affinity keys on). bench/simulate_accuracy.py
-builds requests from bench/routing.py's prompts instead, tokenized as the engines did.
+Tokens are integers (a word each in the prompt's text, which prefix_affinity keys on: SimRequest.prompt_text).
+bench/simulate_accuracy.py builds requests from bench/routing.py's prompts instead, tokenized as the engines did.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.simulate.engine import SimRequest
+from deployments.routing import kv_blocks
 
 
 class Spike(BaseModel):
@@ -87,70 +88,97 @@ def _length(rng: random.Random, mean: int, sigma: float) -> int:
     return max(1, round(rng.lognormvariate(mu, sigma)))
 
 
-def _words(rng: random.Random, n: int, base: int) -> list[int]:
-    return [base + rng.randrange(1_000_000) for _ in range(n)]
+_VOCAB = list(range(1_000_000))  # one int object a word, shared by every prompt that has it (8 bytes a token)
 
 
-def prompts(spec: LoadSpec, count: int) -> list[tuple[list[int], str | None]]:
-    """`count` prompts of the load's shape, in arrival order: (tokens, session)."""
+def _words(rng: random.Random, n: int) -> list[int]:
+    return rng.choices(_VOCAB, k=n)
+
+
+def prompts(spec: LoadSpec, count: int, block_size: int | None = None) -> list[tuple]:
+    """`count` prompts of the load's shape, in arrival order: (tokens, session, block chain or None)."""
     rng = random.Random(spec.seed)
-    own = lambda: _words(rng, _length(rng, spec.prompt_tokens, spec.sigma), 0)  # noqa: E731
+    own = lambda: _words(rng, _length(rng, spec.prompt_tokens, spec.sigma))  # noqa: E731
     if spec.shape == "independent":
-        return [(own(), None) for _ in range(count)]
+        return [(own(), None, None) for _ in range(count)]
     if spec.shape == "shared_prefix":
-        heads = [_words(random.Random(spec.seed * 7919 + i), spec.prefix_tokens, 0) for i in range(spec.prefixes)]
-        return [(heads[rng.randrange(spec.prefixes)] + own(), None) for _ in range(count)]
+        heads = [_words(random.Random(spec.seed * 7919 + i), spec.prefix_tokens) for i in range(spec.prefixes)]
+        return [(heads[rng.randrange(spec.prefixes)] + own(), None, None) for _ in range(count)]
     if spec.shape == "multi_turn":
-        return _multi_turn(spec, rng, count)
+        return _multi_turn(spec, rng, count, block_size)
     hot = [
-        _words(random.Random(spec.seed * 104729 + i), spec.prefix_tokens or spec.prompt_tokens, 0)
-        for i in range(spec.hot)
+        _words(random.Random(spec.seed * 104729 + i), spec.prefix_tokens or spec.prompt_tokens) for i in range(spec.hot)
     ]
     out = []
     for n in range(count):
         if hot and rng.random() < spec.hot_share:
             doc = hot[rng.randrange(len(hot))]
         else:
-            doc = _words(random.Random(spec.seed * 15485863 + n), spec.prefix_tokens or spec.prompt_tokens, 0)
-        out.append((doc + _words(rng, 16, 0), None))
+            doc = _words(random.Random(spec.seed * 15485863 + n), spec.prefix_tokens or spec.prompt_tokens)
+        out.append((doc + _words(rng, 16), None, None))
     return out
 
 
-def _multi_turn(spec: LoadSpec, rng: random.Random, count: int) -> list[tuple[list[int], str | None]]:
-    system = _words(random.Random(spec.seed * 31), spec.prefix_tokens, 0)
+def _multi_turn(spec: LoadSpec, rng: random.Random, count: int, block_size: int | None = None) -> list[tuple]:
+    """Chats under one system prompt: each turn's prompt is the chat so far. With `block_size`, each prompt's block
+    chain (deployments/routing/kv_blocks.chain) is kept per chat and extended by the turn's new blocks, as the
+    router would compute it for the whole prompt (a chat's history is hashed once, not again every turn)."""
+    system = _words(random.Random(spec.seed * 31), spec.prefix_tokens)
     history: dict[int, list[int]] = {}
+    hashes: dict[int, list[int]] = {}
     turns: dict[int, int] = {}
+    open_chats: list[int] = []
     next_chat, out = 0, []
     while len(out) < count:
-        open_chats = [c for c in history if turns[c] < spec.turns]
         if not open_chats or (next_chat < spec.chats and rng.random() < 0.3):
-            history[next_chat], turns[next_chat] = list(system), 0
+            history[next_chat], hashes[next_chat], turns[next_chat] = list(system), [], 0
             open_chats.append(next_chat)
-            next_chat = next_chat + 1 if next_chat + 1 < spec.chats else next_chat
-        c = rng.choice(open_chats)
-        history[c] = history[c] + _words(rng, _length(rng, spec.prompt_tokens, spec.sigma), 0)
-        out.append((list(history[c]), f"chat-{c}"))
-        history[c] += _words(rng, _length(rng, spec.output_tokens, spec.sigma), 0)  # the answer, in the next turn
+            next_chat += 1  # past `chats` only when every chat has had its turns and more requests are asked
+        i = rng.randrange(len(open_chats))
+        c = open_chats[i]
+        history[c] += _words(rng, _length(rng, spec.prompt_tokens, spec.sigma))
+        if block_size:
+            _extend_chain(hashes[c], history[c], block_size)
+        out.append((list(history[c]), f"chat-{c}", list(hashes[c]) if block_size else None))
+        history[c] += _words(rng, _length(rng, spec.output_tokens, spec.sigma))  # the answer, in the next turn
         turns[c] += 1
+        if turns[c] >= spec.turns:
+            open_chats[i] = open_chats[-1]
+            open_chats.pop()
+            del history[c], hashes[c]
     return out
 
 
-def requests(spec: LoadSpec) -> tuple[list[SimRequest], int | None]:
+def _extend_chain(hashes: list[int], tokens: list[int], block_size: int) -> None:
+    parent = hashes[-1] if hashes else kv_blocks.root(None)
+    for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
+        parent = kv_blocks.link(parent, tokens[start : start + block_size])
+        hashes.append(parent)
+
+
+def requests(spec: LoadSpec, block_size: int | None = None) -> tuple[list[SimRequest], int | None]:
     """The load's requests with their arrival times (open loop), or arrivals at 0 and the clients' count (closed
-    loop: the simulation sends each client's next request when its last one ended)."""
+    loop: the simulation sends each client's next request when its last one ended). `block_size`: the engines'
+    (multi_turn prompts then carry their block chain)."""
     rng = random.Random(spec.seed + 1)
     count = spec.requests or _open_loop_count(spec)
-    made = [(tokens, " ".join(map(str, tokens[:400])), session) for tokens, session in prompts(spec, count)]
+    made = prompts(spec, count, block_size)
     out = []
     t = 0.0
-    for i, (tokens, text, session) in enumerate(made):
+    for i, (tokens, session, chain) in enumerate(made):
         if spec.rate_per_s is not None:
             t += rng.expovariate(_rate(spec, t))
             if spec.duration_s is not None and t > spec.duration_s:
                 break
         out.append(
             SimRequest(
-                i, tokens, _length(rng, spec.output_tokens, spec.sigma), t if spec.rate_per_s else 0.0, text, session
+                i,
+                tokens,
+                _length(rng, spec.output_tokens, spec.sigma),
+                t if spec.rate_per_s else 0.0,
+                "",
+                session,
+                hashes=chain or [],
             )
         )
     return out, spec.concurrency

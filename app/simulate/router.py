@@ -28,7 +28,8 @@ class ReplicaIndex:
             self.blocks.apply(event)
 
     def current(self) -> BlockView:
-        self.view.update(self.blocks.changes(self.view.epoch, self.view.seq))
+        if self.view.epoch != self.blocks.epoch or self.view.seq != self.blocks.seq:  # else nothing changed
+            self.view.update(self.blocks.changes(self.view.epoch, self.view.seq))
         return self.view
 
 
@@ -52,7 +53,9 @@ class SimRouter:
 
     def choose(self, req: SimRequest, loads: Mapping[str, int], indexes: Mapping[str, ReplicaIndex]) -> str:
         if self.name == "kv_cache":
-            hashes = req.hashes or chain(req.tokens, self.block_size)
+            if not req.hashes:
+                req.hashes = chain(req.tokens, self.block_size)  # the engine names its blocks by the same
+            hashes = req.hashes
             if hashes:
                 views = {rid: indexes[rid].current() for rid in loads if rid in indexes}
                 capacities = {rid: indexes[rid].capacity_blocks for rid in loads if rid in indexes}
@@ -63,7 +66,7 @@ class SimRouter:
         else:
             key = None
             if self.name == "prefix_affinity":
-                key = routing.prefix_key({"prompt": req.text}, self.policy.prefix_chars)
+                key = routing.prefix_key({"prompt": req.prompt_text}, self.policy.prefix_chars)
             elif self.name == "session_affinity" and req.session:
                 key = "session:" + req.session
             chosen, outcome = self.policy.decide_why(key, loads, self.rng)

@@ -16,7 +16,7 @@ from app.simulate.sim import SimModel, Simulation
 
 def simulate(model: SimModel, profile: StepProfile, spec: LoadSpec, seed: int = 0) -> dict:
     """Run `spec` through `model`'s replicas; the figures a benchmark of the same load reports."""
-    reqs, clients = requests(spec)
+    reqs, clients = requests(spec, model.block_size)
     t0 = time.perf_counter()
     sim = Simulation(model, profile, seed)
     done = sim.run(reqs, clients)

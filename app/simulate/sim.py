@@ -17,6 +17,7 @@ from app.simulate.autoscale import SimAutoscaler
 from app.simulate.engine import SimEngine, SimRequest
 from app.simulate.profile import StepProfile
 from app.simulate.router import ReplicaIndex, SimRouter
+from deployments.routing.routers import ASLEEP_LOAD
 
 
 @dataclass
@@ -34,6 +35,8 @@ class SimModel:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
+    sleep_after_idle_s: float | None = None  # deployment.sleep.after_idle_s: an idle engine sleeps, a request wakes it
+    path_s: float = 0.0  # the serving path's own time a request (HTTP, tokenizing, routing): before its engine sees it
 
 
 class Replica:
@@ -41,10 +44,15 @@ class Replica:
         self.sim, self.rid, self.ready_at = sim, rid, ready_at
         m = sim.model
         self.index = ReplicaIndex(m.kv_tokens // m.block_size)
+        # the engine's KV events feed the runtime's index only where a policy reads it (kv_cache): the index costs
+        # a dictionary entry and a log record a block, which 64 replicas of long prompts feel
+        events = self.index.events if m.policy == "kv_cache" else None
         self.engine = SimEngine(
-            m.kv_tokens // m.block_size, m.block_size, m.max_num_seqs, m.max_num_batched_tokens, self.index.events
+            m.kv_tokens // m.block_size, m.block_size, m.max_num_seqs, m.max_num_batched_tokens, events
         )
         self.state = "starting"
+        self.asleep = False  # vLLM sleep mode: it wakes (the profile's wake_s) for the next request
+        self.wakes = 0
         self.wakeup = sim.env.event()
         self.in_run = False
         self.observed: deque[tuple[float, float, float]] = deque()  # (time, engine TTFT ms, TPOT ms)
@@ -86,7 +94,18 @@ class Replica:
                     self.state = "removed"
                     break
                 self.wakeup = env.event()
-                yield self.wakeup
+                sleep_after = self.sim.model.sleep_after_idle_s
+                if sleep_after is not None and not self.asleep and self.state == "running":
+                    yield self.wakeup | env.timeout(sleep_after)
+                    if not self.wakeup.triggered:
+                        self.asleep = True
+                        continue
+                else:
+                    yield self.wakeup
+                if self.asleep:
+                    yield env.timeout(profile.wake_s)
+                    self.asleep = False
+                    self.wakes += 1
                 continue
             yield env.timeout(profile.step_s(step.prefill_tokens, len(step.decodes), self.engine.context_tokens()))
             self._done(self.engine.apply(step, env.now))
@@ -126,6 +145,7 @@ class Simulation:
         self._waiters: dict[int, simpy.Event] = {}
         self.rejected: list[SimRequest] = []  # longer than max_model_len
         self.target = model.replicas
+        self._controlled = False
         for _ in range(model.replicas):
             self._start(ready_at=0.0)
         self.autoscaler = SimAutoscaler(model.autoscaling) if model.autoscaling else None
@@ -137,9 +157,13 @@ class Simulation:
         return self.replicas[rid]
 
     def routable(self) -> dict[str, int]:
+        """The loads Summit's router sees: ongoing requests, a sleeping replica `ASLEEP_LOAD` more (as
+        deployments/routing/routers.py counts it); replicas at `max_ongoing_requests` are not offered."""
         cap = self.model.max_ongoing_requests
         return {
-            rid: r.engine.ongoing for rid, r in self.replicas.items() if r.state == "running" and r.engine.ongoing < cap
+            rid: r.engine.ongoing + (ASLEEP_LOAD if r.asleep else 0)
+            for rid, r in self.replicas.items()
+            if r.state == "running" and r.engine.ongoing < cap
         }
 
     def submit(self, req: SimRequest) -> None:
@@ -151,6 +175,14 @@ class Simulation:
             if waiter is not None:
                 waiter.succeed()
             return
+        if self.model.path_s:
+            self.env.process(self._after_path(req))
+            return
+        self.queue.append(req)
+        self.dispatch()
+
+    def _after_path(self, req: SimRequest):
+        yield self.env.timeout(self.model.path_s)
         self.queue.append(req)
         self.dispatch()
 
@@ -219,7 +251,8 @@ class Simulation:
         states: dict[str, int] = {}
         for r in self.replicas.values():
             if r.state != "removed":
-                states[r.state] = states.get(r.state, 0) + 1
+                state = "asleep" if r.asleep else r.state
+                states[state] = states.get(state, 0) + 1
         self.timeline.append(
             {
                 "t_s": round(self.env.now, 3),
@@ -230,18 +263,25 @@ class Simulation:
         )
 
     def run(self, requests: list[SimRequest], clients: int | None = None, until: float | None = None) -> list:
-        """Every request through the simulation (open loop: at its arrival time; `clients`: closed loop, that many
-        clients each sending its next request when its last ended); returns the finished ones."""
-        last = max((r.arrival for r in requests), default=0.0)
+        """Every request through the simulation (open loop: at its arrival time, counted from now; `clients`: closed
+        loop, that many clients each sending its next request when its last ended); returns the ones it finished. A
+        later call runs more requests on the same replicas (what their caches hold stays)."""
+        now = self.env.now
+        last = max((now + r.arrival for r in requests), default=now)
         horizon = until if until is not None else last + 24 * 3600.0
         if clients:
             todo = deque(requests)
             for _ in range(clients):
                 self.env.process(self._client(todo))
         else:
+            for r in requests:
+                r.arrival += now
             self.env.process(self._arrivals(sorted(requests, key=lambda r: r.arrival)))
-        self.env.process(self._control(horizon))
-        total = len(requests)
+        if not self._controlled:
+            self._controlled = True
+            self.env.process(self._control(horizon))
+        before = len(self.done)
+        total = len(self.done) + len(self.rejected) + len(requests)
         while len(self.done) + len(self.rejected) < total and self.env.peek() < horizon:
             self.env.step()
-        return self.done
+        return self.done[before:]

@@ -7,7 +7,10 @@ custom autoscaling policy hook, a class built once with the YAML's targets). The
 replica's p90 with each target: above a target it asks for more replicas (the ratio, at most twice as many), below
 `scale_in_below` of every target (an idle model reports 0) it asks for as few as hold the requests ongoing (running and
 queued at the handles) at the deployment's `target_ongoing_requests`, and none fewer while they would not fit on one
-fewer (latency well under target *because* of the replicas is no reason to drop one); else it keeps the count.
+fewer (latency well under target *because* of the replicas is no reason to drop one); else it keeps the count. While
+requests are queued at the handles (every replica full) it asks for at least what Serve's target would: the engines'
+latencies start when a request reaches the engine and cannot see that wait (`summit simulate` found it: under a 10x
+spike the engines' p90 stayed under target while clients waited minutes at the handles).
 Serve applies min/max replicas and its upscale/downscale delays around it.
 
 Self-contained (stdlib only): Serve pickles this module by value into its controller.
@@ -89,16 +92,15 @@ class LatencyTargetPolicy:
             return max(replicas - 1, 0)
         return replicas
 
-    @staticmethod
-    def fewer(ctx, replicas: int) -> int:
+    @classmethod
+    def fewer(cls, ctx, replicas: int) -> int:
         """Under every target: as few replicas as hold the requests ongoing now (Serve's total: running and queued at
         the handles) at the deployment's `target_ongoing_requests`, at most one fewer than now; one fewer where Serve
         gives neither (Serve's downscale delay and min_replicas apply after)."""
-        target = getattr(getattr(ctx, "config", None), "target_ongoing_requests", None)
-        total = getattr(ctx, "total_num_requests", None)
-        if not target or total is None:
+        needed = cls.needed(ctx, None)
+        if needed is None:
             return max(replicas - 1, 0)
-        return min(replicas - 1, math.ceil(total / target)) if total <= (replicas - 1) * target else replicas
+        return needed if needed < replicas else replicas
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         pressure = self.pressure(ctx.aggregated_metrics or {})
@@ -106,7 +108,22 @@ class LatencyTargetPolicy:
         decision = self.decide(replicas, pressure)
         if decision < replicas:
             decision = self.fewer(ctx, replicas)
-        if replicas < ctx.target_num_replicas and pressure > 0:
+        queued = getattr(ctx, "total_queued_requests", 0) or 0
+        if queued > 0:
+            # requests wait at the handles: every replica holds max_ongoing_requests. The engines' histograms start
+            # at a request's arrival in the engine, so they cannot see that wait: scale out as Serve's own target
+            # would (the requests ongoing and queued at `target_ongoing_requests` a replica), in one step: measured
+            # demand, not a latency ratio (doubling per cold start took 380 s to recover a simulated 10x spike)
+            decision = max(decision, self.needed(ctx, replicas + 1))
+        if replicas < ctx.target_num_replicas and (pressure > 0 or queued > 0):
             # replicas still starting: keep them unless the model went idle (their engines take minutes to start)
             decision = max(decision, ctx.target_num_replicas)
         return decision, {"latency_pressure": round(pressure, 3)}
+
+    @staticmethod
+    def needed(ctx, default: int | None) -> int | None:
+        """Replicas that hold Serve's total of requests (running and queued at the handles) at the deployment's
+        `target_ongoing_requests`; `default` where Serve gives neither."""
+        target = getattr(getattr(ctx, "config", None), "target_ongoing_requests", None)
+        total = getattr(ctx, "total_num_requests", None)
+        return math.ceil(total / target) if target and total is not None else default

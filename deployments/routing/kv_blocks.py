@@ -19,6 +19,7 @@ Three parts:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from array import array
@@ -47,7 +48,13 @@ def root(lora: str | None) -> int:
 
 
 def link(parent: int, tokens: Sequence[int]) -> int:
-    """A block's content hash: its parent's and its own tokens'."""
+    """A block's content hash: its parent's and its own tokens'. Remembered for the blocks seen last (a shared system
+    prompt's blocks are named once, not for every request and every engine that stores them)."""
+    return _link(parent, tuple(tokens))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _link(parent: int, tokens: tuple[int, ...]) -> int:
     return _digest(parent.to_bytes(8, "little") + array("q", tokens).tobytes())
 
 

@@ -65,6 +65,27 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_step_budget():
     assert steps == 4 and req.first_token_at == 4.0
 
 
+def test_a_decoding_request_steps_as_a_decode_at_the_profiles_decode_time():
+    """After its prompt, every step of a request is a decode (no prefill tokens), step by step and in a batched run
+    of decodes, and its time per output token is the profile's decode step (base + decode_seq_s). Fails if a decode
+    is charged as a one-token prefill (the sampled token's KV not counted as computed, so each step plans a prefill)
+    or a decode run is charged at another step's time."""
+    engine = SimEngine(256, 16, 8, 2048)
+    engine.add(SimRequest(0, list(range(64)), 9, 0.0))
+    steps = []
+    while not engine.idle():
+        step = engine.allocate(engine.plan())
+        steps.append((step.prefill_tokens, len(step.decodes)))
+        engine.apply(step, float(len(steps)))
+    assert steps == [(64, 0)] + [(0, 1)] * 8
+
+    profile = StepProfile("decode", base_s=0.001, prefill_token_s=0.0, decode_seq_s=0.009)
+    model = SimModel("m", replicas=1, kv_tokens=4096, block_size=16, max_num_seqs=8, max_num_batched_tokens=2048)
+    req = SimRequest(0, list(range(64)), 33, 0.0)
+    Simulation(model, profile).run([req], clients=1)
+    assert (req.finished_at - req.first_token_at) / 32 == pytest.approx(0.010)
+
+
 def test_a_full_cache_preempts_the_newest_request_which_still_finishes_whole():
     """Two 200-token prompts of 100 output tokens in a cache of 24 blocks (384 tokens): they cannot both grow, the
     newer is preempted and recomputed, and both end with every output token. Fails if preemption loses a request or
@@ -147,15 +168,16 @@ def spike_model(policy: dict) -> SimModel:
     ids=["serve-target-ongoing", "latency-target"],
 )
 def test_serves_own_autoscaling_scales_out_on_a_spike_after_its_delay_and_back_in(policy):
-    """Open-loop traffic at 2 requests/s, 10x for 60 s from t=60: Serve's decision (its default policy, or Summit's
-    latency-target policy through Serve's wrapper) starts replicas, not before `upscale_delay_s` of the spike has
-    passed in simulated time, each running `start_s` later, and after the spike the count returns to 1. Fails if
-    the delays run on the wall clock, the policy is not consulted, or replicas never start or go."""
+    """Open-loop traffic at 1 request/s, 20x for 60 s from t=60 (the base load fits one replica at the target):
+    Serve's decision (its default policy, or Summit's latency-target policy through Serve's wrapper) starts replicas,
+    not before `upscale_delay_s` of the spike has passed in simulated time, each running `start_s` later, and after
+    the spike the count returns to 1. Fails if the delays run on the wall clock, the policy is not consulted, or
+    replicas never start or go."""
     spec = LoadSpec(
         shape="independent",
-        rate_per_s=2,
-        duration_s=240,
-        spike={"at_s": 60, "factor": 10, "for_s": 60},
+        rate_per_s=1,
+        duration_s=330,  # 3.5 minutes after the spike: time for scale-in past the downscale delay
+        spike={"at_s": 60, "factor": 20, "for_s": 60},
         prompt_tokens=256,
         output_tokens=400,
         sigma=0,
@@ -217,3 +239,50 @@ def test_summit_simulate_runs_the_shipped_yaml_with_the_measured_cpu_profile(tmp
     )
     assert out.returncode == 0, out.stderr
     assert "requests 200/200 answered, 0 refused" in out.stdout and "routing kv_cache" in out.stdout, out.stdout
+
+
+def test_the_published_accuracy_tables_cpu_rows_are_what_the_simulator_computes():
+    """The CPU rows of bench/results/simulate-accuracy-2026-12-02.json, recomputed from the measured run's own
+    prompts and the stored CPU profile (bench/simulate_accuracy.py's rounds, as CI can run them in seconds): every
+    simulated figure is the published one, and prefix_affinity's hit rate is above least_load's on both loads, as
+    measured. Fails if the simulator's engine, router or the accuracy command changes what the table says without
+    the table being regenerated (`python bench/simulate_accuracy.py ... --json`), or the routing policies stop
+    mattering in the simulation."""
+    import json
+    import statistics
+
+    sys.path.insert(0, str(REPO))
+    from app.clusters.tiny_model import train_tokenizer
+    from bench.simulate_accuracy import simulate_round
+
+    published = json.loads((REPO / "bench/results/simulate-accuracy-2026-12-02.json").read_text())["cpu_routing"]
+    measured = json.loads((REPO / published["measured"]).read_text())
+    profile, tok = StepProfile.load(REPO / published["profile"]), train_tokenizer()
+    hit = {}
+    for row, stored in zip(measured["rows"], published["rows"], strict=True):
+        runs = [
+            simulate_round(measured["args"], profile, row["load"], row["policy"], seed, tok)
+            for seed in range(row["rounds"])
+        ]
+        for key, value in stored["simulated"].items():
+            assert statistics.median(r[key] for r in runs) == pytest.approx(value, rel=1e-9), (row["policy"], key)
+        hit[row["load"], row["policy"]] = stored["simulated"]["hit_rate"]
+    for load in ("overflow2x", "overflow6x"):
+        assert hit[load, "prefix_affinity"] > hit[load, "least_load"]
+
+
+def test_a_multi_turn_loads_chats_carry_the_routers_block_chain_and_each_chat_has_its_turns():
+    """Each multi_turn prompt's block chain, kept per chat and extended turn by turn, is exactly what the router
+    computes for the whole prompt (kv_blocks.chain), every chat's turn extends its previous prompt, and no chat
+    gets more than `turns` turns. Fails if the incremental chain drifts from the runtime's (kv_cache would route on
+    other names than the engines announce) or a finished chat is reused."""
+    spec = LoadSpec(shape="multi_turn", concurrency=4, requests=60, chats=10, turns=4, prefix_tokens=40, sigma=0.5)
+    reqs, _ = requests(spec, block_size=16)
+    last: dict[str, list[int]] = {}
+    count: dict[str, int] = {}
+    for r in reqs:
+        assert r.hashes == chain(r.tokens, 16)
+        if r.session in last:
+            assert r.tokens[: len(last[r.session])] == last[r.session]
+        last[r.session], count[r.session] = r.tokens, count.get(r.session, 0) + 1
+    assert max(count.values()) <= 4 and len(count) >= 15

@@ -99,3 +99,23 @@ def test_the_yaml_targets_become_serves_custom_policy_and_bad_ones_are_named():
     with pytest.raises(ValueError, match="monitoring: {metrics: true}"):
         SummitConfig.model_validate({"models": [model], "monitoring": {"metrics": False}})
     SummitConfig.model_validate({"models": [model], "monitoring": {"metrics": True}})
+
+
+def test_requests_queued_at_the_handles_scale_out_though_the_engines_p90_is_under_target():
+    """Every replica full and 300 requests queued at the handles while the engines' own TTFT p90 reads 50 ms
+    against a 300-ms target: the engines' histograms start when a request reaches its engine, so they cannot see the
+    wait; the policy asks for what Serve's target would (812 requests at 192 a replica: 5) in one step, and keeps the
+    count once nothing is queued. Fails if the policy decides on the engines' latency alone
+    (it would keep 2 replicas while the queue grows: summit simulate's spike)."""
+    policy = LatencyTargetPolicy(ttft_p90_ms=300)
+    config = SimpleNamespace(target_ongoing_requests=192)
+    full = SimpleNamespace(
+        **vars(ctx(2, ttft_p90_ms={"a": 50.0, "b": 40.0})),
+        config=config,
+        total_num_requests=812,
+        total_queued_requests=300,
+    )
+    assert policy(full)[0] == 5  # ceil(812 / 192)
+    drained = SimpleNamespace(**vars(full))
+    drained.total_queued_requests, drained.total_num_requests = 0, 300
+    assert policy(drained)[0] == 2
