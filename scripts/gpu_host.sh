@@ -15,6 +15,9 @@
 #   bash scripts/gpu_host.sh pd PEER       # two GPUs, 8B shapes, NIXL (wheels nixl + nixl-cu13 carried in .whl-nixl):
 #                                          # PEER = summit-pd | summit-agg | vllm-pd (bench/pd.py), 8/32/128 streams,
 #                                          # ~2k-token prompts, 256 out
+#   bash scripts/gpu_host.sh kv-migration  # 8B shapes, NIXL: a stream moved off a live replica, its KV carried vs
+#                                          # recomputed at 1k/8k/32k tokens of context (bench/kv_migration.py;
+#                                          # GPUS=1: both replicas on GPU 0, GPUS=2: one each)
 #   bash scripts/gpu_host.sh batch PEER... # one GPU, 8B shapes: bench/batch.py, PEER = api | offline | generate
 #                                          # (2,000 lines, 64 out, BATCH_CONC (256) in flight, ROUNDS (1) runs of
 #                                          # generate and of the API alone; online: 256 requests, 16 streams)
@@ -37,7 +40,9 @@
 #   bash scripts/gpu_host.sh autoscale [ARGS]  # 8B shapes, one GPU: latency-target autoscaling's timeline
 #                                          # (bench/autoscale_latency.py)
 #   bash scripts/gpu_host.sh profile [ARGS]    # 8B shapes, one GPU: vLLM's engine step times for summit simulate
-#                                          # (bench/engine_profile.py; CUDA graphs, max_num_seqs 256)
+#                                          # (bench/engine_profile.py: steps timed alone, then decode runs with async
+#                                          # scheduling on), PROFILE_SETS "graphs eager" (default): the shipped config
+#                                          # (CUDA graphs, max_num_seqs 256) and the routing runs' (eager, 8)
 # Before the first step: the kit (shared/gpu-kit, KIT_GROUPS="core vllm ray260") is installed under /tmp/site, and
 # the pure-Python test wheels travel in .whl (carried): pyroute2 (network namespaces without iproute2), pytest-timeout
 # if the host lacks it. Logs and figures go to $OUT (the device tool's folder) or ./gpu-out.
@@ -133,6 +138,17 @@ pd|pd1)
     --max-model-len 8192 --client-procs 8 --only "$peer" --json "$out/gpu-$step-$peer.json" "${extra[@]}" 2>&1 \
     | tee "$out/gpu-$step-$peer.log"
   grep -rl mnnvl /tmp/summit-ray-* /tmp/bench-pd-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
+kv-migration)
+  # bench/kv_migration.py: a stream moved off a live replica, its KV carried over NIXL vs recomputed, at 1k / 8k /
+  # 32k tokens of context (ROUNDS, default 2, alternating); GPUS=1 (default): both replicas on GPU 0
+  python3 -c "import nixl._api" || { echo "NIXL does not import"; exit 3; }
+  gpus=${GPUS:-1}
+  share=(); [ "$gpus" = 1 ] && share=(--gpu-memory-utilization 0.42)
+  python3 bench/kv_migration.py --accelerator gpu --model-dir "$model8b" --load-format dummy --gpus "$gpus" \
+    --contexts ${CONTEXTS:-1024 8192 32768} --max-model-len 33792 --max-tokens 512 --events-before 16 --background 2 \
+    --background-tokens 600 --rounds "${ROUNDS:-2}" "${share[@]}" --json "$out/gpu-kv-migration-$gpus.json" 2>&1 \
+    | tee "$out/gpu-kv-migration-$gpus.log"
+  grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 batch)
   shift
   conc=${BATCH_CONC:-256} tag="$(IFS=-; echo "$*")-$conc"
@@ -233,10 +249,25 @@ routing)
   grep -rli mnnvl /tmp/summit-ray-* 2>/dev/null | head -3 || true ;;  # left only by a run cut short (it reads its own)
 profile)
   shift
-  python3 bench/engine_profile.py --accelerator gpu --model-dir "$model8b" --max-num-seqs 256 \
-    --max-num-batched-tokens 8192 --max-model-len 4096 --max-prefill 4000 --decode-batches 1 8 64 256 \
-    --gpu-memory-utilization 0.85 --start-s 83 --name h200-llama-3.1-8b "$@" --out "$out/profile-h200-8b.json" \
-    2>&1 | grep -v "^INFO\|^(EngineCore" | tail -40 | tee "$out/profile.log" ;;
+  # PROFILE_SETS: graphs (the shipped GPU config: CUDA graphs, 256 sequences) | eager (the routing runs' engines)
+  for set in ${PROFILE_SETS:-graphs eager}; do
+    case $set in
+      graphs) args="--no-eager --max-num-seqs 256 --max-model-len 4096 --max-prefill 4000
+                    --decode-batches 1 8 32 64 128 256" ;;
+      eager) args="--eager --max-num-seqs 8 --max-model-len 2048 --max-prefill 2000 --decode-batches 1 2 4 8" ;;
+      *) echo "unknown profile set $set"; exit 2 ;;
+    esac
+    # shellcheck disable=SC2086
+    common="--accelerator gpu --model-dir $model8b $args --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85"
+    # shellcheck disable=SC2086
+    python3 bench/engine_profile.py $common --async-runs "$out/async-$set.json" "$@" > "$out/profile-async-$set.log" 2>&1
+    grep -v "^INFO\|^(EngineCore" "$out/profile-async-$set.log" | tail -20
+    # shellcheck disable=SC2086
+    python3 bench/engine_profile.py $common --async-samples "$out/async-$set.json" --start-s 83 \
+      --name "h200-llama-3.1-8b-$set" "$@" --out "$out/profile-h200-8b-$set.json" > "$out/profile-$set.log" 2>&1
+    grep -v "^INFO\|^(EngineCore" "$out/profile-$set.log" | tail -20
+  done
+  grep -li mnnvl "$out"/profile-*.log || true ;;
 autoscale)
   shift
   tag=autoscale-$(date +%H%M%S)

@@ -11,6 +11,7 @@ cluster, and answers one request per line (a Ray driver takes 2-4 s to start on 
 `stop_probes(address)` (LocalCluster.stop) ends it.
 
     python -m tests.replica_probe --address 127.0.0.1:6379 each summit LLMServer:tiny prefix_cache_stats --replicas 2
+    python -m tests.replica_probe --address 127.0.0.1:6379 call summit LLMServer:tiny REPLICA_ID move_streams
     python -m tests.replica_probe --address 127.0.0.1:6379 kill summit LLMServer:tiny REPLICA_ID
 """
 
@@ -36,7 +37,13 @@ _HANDLES: dict[tuple[str, str], Any] = {}  # a serving driver's handles, one rou
 
 
 def call_each_replica(
-    app_name: str, deployment: str, method: str, replicas: int, attempts: int = 200, args: tuple = ()
+    app_name: str,
+    deployment: str,
+    method: str,
+    replicas: int,
+    attempts: int = 200,
+    args: tuple = (),
+    kwargs: dict | None = None,
 ) -> dict[str, Any]:
     """{replica_id: result} once `replicas` distinct replicas answered `method` (RuntimeError after `attempts`
     calls)."""
@@ -46,23 +53,46 @@ def call_each_replica(
     handle = _HANDLES.get(key) or _HANDLES.setdefault(key, serve.get_deployment_handle(deployment, app_name=app_name))
     answers: dict[str, Any] = {}
     for _ in range(attempts):
-        result = getattr(handle, method).remote(*args).result(timeout_s=120)  # a new router on a loaded box
+        call = getattr(handle, method).remote(*args, **(kwargs or {}))
+        result = call.result(timeout_s=120)  # a new router on a loaded box
         answers[result["replica_id"]] = result
         if len(answers) >= replicas:
             return answers
     raise RuntimeError(f"only {len(answers)} of {replicas} replicas of {deployment} answered in {attempts} calls")
 
 
-def kill_replica(app_name: str, deployment: str, replica_id: str) -> str:
-    """`ray.kill` the replica actor (no restart: Serve notices and replaces it); returns the actor's name."""
+def _replica_actor(app_name: str, deployment: str, replica_id: str):
     import ray
 
     suffix = f"::{app_name}#{deployment}#{replica_id}"  # Serve names replica actors SERVE_REPLICA::app#deployment#id
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == "serve" and actor["name"].endswith(suffix):
-            ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
-            return actor["name"]
+            return ray.get_actor(actor["name"], namespace="serve"), actor["name"]
     raise LookupError(f"no Serve replica actor named *{suffix}")
+
+
+def call_replica(app_name: str, deployment: str, replica_id: str, method: str, args: tuple, kwargs: dict) -> Any:
+    """`method` of one replica (by its id), through its actor as Serve's own handles call it (a RequestMetadata
+    naming the method): a handle would let the deployment's router pick the replica."""
+    import pickle
+    import uuid
+
+    import ray
+    from ray.serve._private.common import RequestMetadata
+
+    actor, _ = _replica_actor(app_name, deployment, replica_id)
+    rid = uuid.uuid4().hex
+    metadata = RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method, app_name=app_name)
+    return ray.get(actor.handle_request.remote(pickle.dumps(metadata), *args, **kwargs), timeout=120)
+
+
+def kill_replica(app_name: str, deployment: str, replica_id: str) -> str:
+    """`ray.kill` the replica actor (no restart: Serve notices and replaces it); returns the actor's name."""
+    import ray
+
+    actor, name = _replica_actor(app_name, deployment, replica_id)
+    ray.kill(actor, no_restart=True)
+    return name
 
 
 _DRIVERS: dict[str, subprocess.Popen] = {}
@@ -135,8 +165,12 @@ def _serve(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(ns: argparse.Namespace) -> Any:
+    if ns.command == "call":
+        return call_replica(ns.app, ns.deployment, ns.replica_id, ns.method, tuple(ns.args), json.loads(ns.kwargs))
     if ns.command == "each":
-        return call_each_replica(ns.app, ns.deployment, ns.method, ns.replicas, args=tuple(ns.args))
+        return call_each_replica(
+            ns.app, ns.deployment, ns.method, ns.replicas, args=tuple(ns.args), kwargs=json.loads(ns.kwargs)
+        )
     return kill_replica(ns.app, ns.deployment, ns.replica_id)
 
 
@@ -151,7 +185,15 @@ def _parser(driver: bool) -> argparse.ArgumentParser:
     each.add_argument("deployment")
     each.add_argument("method")
     each.add_argument("--replicas", type=int, required=True)
-    each.add_argument("args", nargs="*", help="the method's arguments (strings)")
+    each.add_argument("--kwargs", default="{}", help="the method's keyword arguments (a JSON object)")
+    each.add_argument("args", nargs="*", help="the method's arguments (strings; before the options)")
+    call = sub.add_parser("call", help="call METHOD on one replica (by its id)")
+    call.add_argument("app")
+    call.add_argument("deployment")
+    call.add_argument("replica_id")
+    call.add_argument("method")
+    call.add_argument("--kwargs", default="{}", help="the method's keyword arguments (a JSON object)")
+    call.add_argument("args", nargs="*", help="the method's arguments (strings; before the options)")
     kill = sub.add_parser("kill", help="kill one replica actor")
     kill.add_argument("app")
     kill.add_argument("deployment")

@@ -70,3 +70,26 @@ def same_stream(first: Read, rest: Read) -> list[str]:
     streams = {i.rsplit(":", 1)[0] for i, _ in first.events + rest.events}
     assert streams == {first.headers["x-summit-stream-id"]}, streams
     return [i for i, _ in first.events + rest.events]
+
+
+def parsed(lines: list[str]) -> dict:
+    """A completion or chat stream's lines (only its `data:` lines are read): its text, token ids (when asked), usage,
+    chunk ids, error events, whether [DONE] came, and how many events."""
+    seen = {"text": "", "ids": [], "usage": None, "errors": [], "chunk_ids": set(), "done": False, "events": 0}
+    for line in lines:
+        if not line.startswith("data: "):  # SSE `id:` lines, blank lines
+            continue
+        if line == "data: [DONE]":
+            seen["done"] = True
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            seen["errors"].append(chunk["error"])
+            continue
+        seen["chunk_ids"].add(chunk["id"])
+        seen["usage"] = chunk.get("usage") or seen["usage"]
+        for choice in chunk["choices"]:
+            seen["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            seen["ids"] += choice.get("token_ids") or []
+        seen["events"] += 1
+    return seen

@@ -187,7 +187,8 @@ def direct_app(config: SummitConfig, shared: Shared) -> Application:
         )
     )
     only = config.models[0]
-    if len(serving) == 1 and only.routing.policy == "least_load" and not only.lora and only.sleep is None:
+    summit_router = only.lora or only.sleep is not None or only.kv_migration is not None  # options.py says why
+    if len(serving) == 1 and only.routing.policy == "least_load" and not summit_router:
         if not responses_stored():  # else a continued response (previous_response_id) goes to its replica
             return engines  # HAProxy's own choice (leastconn) is least-load: no routing call per request
     picker = serve.deployment(RoutePicker).options(**own_env(route_picker_options(config.ingress))).bind(engines)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.build.disaggregation import pd_side
+from app.build.disaggregation import kv_migrating, pd_side
 from app.build.placement import (
     PlacementPlan,
     placement_deployment_options,
@@ -117,8 +117,9 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
         options["num_replicas"] = d.num_replicas
     # least_load adds nothing (Serve's default router); the other policies name a Summit router and its kwargs. A model
     # with LoRA adapters or sleep mode always has Summit's router, which reads the adapters each replica has loaded
-    # and which replicas sleep.
-    if model.lora or model.sleep is not None:
+    # and which replicas sleep; so does one with kv_migration: a moved stream's continuation must not go back to the
+    # replica it left (Summit's routers skip the one it names; Serve's sent it to the idlest, often that one).
+    if model.lora or model.sleep is not None or model.kv_migration is not None:
         options.update(pool_router_options({model.name: routing_kwargs(model)}))
     else:
         options.update(request_router_options(**routing_kwargs(model)))
@@ -138,14 +139,14 @@ def routing_kwargs(model: ModelConfig) -> dict[str, Any]:
 
 def serving_models(models: list[ModelConfig]) -> list[ModelConfig]:
     """The configs the engine deployments that answer requests run: a disaggregated model's decode side, else the
-    model itself."""
-    return [pd_side(m, "decode") if m.disaggregation else m for m in models]
+    model itself (with its KV connector when its moving streams carry their KV)."""
+    return [pd_side(m, "decode") if m.disaggregation else kv_migrating(m) for m in models]
 
 
 def engine_pools(model: ModelConfig) -> list[tuple[str, ModelConfig]]:
     """(label, config) of each engine pool a model runs: itself, or its prefill and decode pools."""
     if model.disaggregation is None:
-        return [(model.name, model)]
+        return [(model.name, kv_migrating(model))]
     return [(f"{model.name} prefill", pd_side(model, "prefill")), (f"{model.name} decode", pd_side(model, "decode"))]
 
 

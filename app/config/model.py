@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from app.config.checks import EngineKwargs, engine_checks
-from app.config.disaggregation import DisaggregationOptions, PDSide
+from app.config.disaggregation import DisaggregationOptions, KVMigrationOptions, PDSide
 from app.config.env import expand_env
 from app.config.lora import LORA_ENGINE_KEYS, LoraOptions
 from app.config.options import DeploymentOptions, RoutingOptions, SleepOptions, StreamResumeOptions, Strict
@@ -51,6 +51,12 @@ class ModelConfig(Strict):
         "greedy",
         description="When a replica's engine dies mid-stream, go on from another replica: greedy (temperature-0 "
         "streams, continued exactly), all (any temperature: sampled anew from there), off "
+        "(docs/features/stream-migration.md).",
+    )
+    kv_migration: KVMigrationOptions | None = Field(
+        None,
+        description="A stream moved off a live replica (LLMServer.move_streams) carries its KV cache over this vLLM KV "
+        "connector to the replica that goes on with it, instead of that replica recomputing it; off when absent "
         "(docs/features/stream-migration.md).",
     )
     stream_resume: StreamResumeOptions | None = Field(
@@ -299,8 +305,30 @@ class ModelConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _kv_migration_possible(self) -> ModelConfig:
+        if self.kv_migration is None:
+            return self
+        if self.disaggregation is not None:
+            raise ValueError(
+                f"model {self.name!r}: `kv_migration` and `disaggregation` together are not supported (a "
+                "disaggregated model's streams are not moved); remove one"
+            )
+        if self.stream_migration == "off":
+            raise ValueError(
+                f"model {self.name!r}: kv_migration carries the KV cache of streams that move, but stream_migration: "
+                "off moves none. Fix: set stream_migration: greedy (or all), or remove kv_migration"
+            )
+        if self.accelerator == "cpu" and self.resolved_kv_buffer_device() != "cpu":
+            raise ValueError(
+                f"model {self.name!r}: kv_migration.kv_buffer_device {self.kv_migration.kv_buffer_device!r} needs "
+                "GPUs; CPU engines stage KV in cpu"
+            )
+        return self
+
     def resolved_kv_buffer_device(self) -> str:
-        given = self.disaggregation.kv_buffer_device if self.disaggregation else None
+        kv = self.disaggregation or self.kv_migration
+        given = kv.kv_buffer_device if kv else None
         return given or ("cpu" if self.accelerator == "cpu" else "cuda")
 
     @property

@@ -37,6 +37,7 @@ from deployments.engine.kv import (
     CONNECTOR_ALIASES,
     connector_engine_kwargs,
     disaggregation_problem,
+    hand_off_tokens,
     kv_connector,
     kv_connector_names,
     kv_transfer_config,
@@ -47,6 +48,7 @@ from deployments.engine.metrics import (
     generation_tokens,
     kv_cache_usage,
     latency_buckets,
+    prompt_tokens_by_source,
 )
 from deployments.engine.platform import CPU_RAY_PLATFORM_ENV, cpu_ray_platform
 from deployments.engine.serving import answer_in_process, background_response, stores_responses
@@ -87,6 +89,8 @@ __all__ = [
     "engine_metric_samples",
     "frontend_arg_names",
     "generation_tokens",
+    "hand_off_tokens",
+    "prompt_tokens_by_source",
     "kv_block_size",
     "kv_cache_blocks",
     "kv_cache_usage",

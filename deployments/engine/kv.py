@@ -1,5 +1,6 @@
-"""vLLM's KV connectors for prefill/decode disaggregation: which exist, what one needs, each side's
-`kv_transfer_config` and the engine settings a side needs for its connector."""
+"""vLLM's KV connectors for prefill/decode disaggregation and for streams that carry their KV cache when they move:
+which exist, what one needs, each side's `kv_transfer_config` and the engine settings a side needs for its
+connector."""
 
 from __future__ import annotations
 
@@ -52,13 +53,17 @@ def disaggregation_problem(connector: str) -> str | None:
 def kv_transfer_config(
     connector: str, role: str, extra: dict[str, Any], buffer_device: str, load_failure: str
 ) -> dict[str, Any]:
-    """vLLM's `kv_transfer_config` for one side of a disaggregated model. `role`: "prefill" (produces KV) or "decode"
-    (consumes it); `load_failure`: "recompute" (a decode that cannot load the KV computes it) or "fail"."""
+    """vLLM's `kv_transfer_config` for one side of a disaggregated model. `role`: "prefill" (produces KV), "decode"
+    (consumes it) or "both" (a model whose moving streams carry their KV: every replica does both);
+    `load_failure`: "recompute" (a decode that cannot load the KV computes it) or "fail"."""
     from vllm.config import KVTransferConfig
 
     name = kv_connector(connector)
     # NIXL pairs engines that both hold a transfer agent (vLLM's own examples run it kv_both on each side)
-    kv_role = "kv_both" if name.startswith("Nixl") else ("kv_producer" if role == "prefill" else "kv_consumer")
+    if name.startswith("Nixl") or role == "both":
+        kv_role = "kv_both"
+    else:
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     config = {
         "kv_connector": name,
         "kv_role": kv_role,
@@ -74,11 +79,21 @@ def connector_engine_kwargs(connector: str, role: str, engine_kwargs: dict[str, 
     """Engine settings one side needs for its connector to work, over the given ones. vLLM's shared-storage example
     connector stores a prompt's KV from the prompt's first scheduled step only: a prefill split into chunks (a long
     prompt, or several arriving at once) stores part of it under the whole prompt's key, and the decode engine that
-    loads it dies ("shape mismatch", FACTS). Its prefill side therefore schedules whole prompts."""
-    if kv_connector(connector) != "ExampleConnector" or role != "prefill":
+    loads it dies ("shape mismatch", FACTS). Its prefill side (and an engine that does both) therefore schedules whole
+    prompts."""
+    if kv_connector(connector) != "ExampleConnector" or role == "decode":
         return {}
     needed: dict[str, Any] = {"enable_chunked_prefill": False}
     limit, budget = engine_kwargs.get("max_model_len"), engine_kwargs.get("max_num_batched_tokens")
     if limit and budget and budget < limit:
         needed["max_num_batched_tokens"] = limit
     return needed
+
+
+def hand_off_tokens(connector: str, ids: list[int]) -> list[int]:
+    """The tokens a moving stream's engine runs to hand its KV off over `connector` (the stream goes on from `ids`).
+    vLLM's example (shared-storage) connector stores a prompt of n tokens under its first (n-1)//block*block and
+    looks one up under its first (n-2)//block*block: a hand-off of all n is not found when n-1 is a multiple of the
+    block, so it hands off the first n-1 (stored under the key the stream's continuation looks up). Any other
+    connector: all of them (NIXL gives the blocks of exactly the tokens the continuation has)."""
+    return ids[:-1] if kv_connector(connector) == "ExampleConnector" else ids

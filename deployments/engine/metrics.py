@@ -62,3 +62,17 @@ def latency_buckets() -> dict[str, dict[float, int]]:
             bound = math.inf if le in ("+Inf", "inf") else float(le)
             buckets[bound] = buckets.get(bound, 0) + count
     return out
+
+
+def prompt_tokens_by_source() -> dict[str, int]:
+    """Prompt tokens this process's engine took from each source so far — `local_compute`, `local_cache_hit`,
+    `external_kv_transfer` (loaded through its KV connector) — as vLLM counts them (`vllm:prompt_tokens_by_source`);
+    empty with metrics off or on a vLLM without that counter."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    out: dict[str, int] = {}
+    for m in get_metrics_snapshot():
+        if isinstance(m, Counter) and m.name == "vllm:prompt_tokens_by_source":
+            source = m.labels.get("source", "")
+            out[source] = out.get(source, 0) + int(m.value)
+    return out

@@ -207,9 +207,9 @@ class ReplicaMetrics:
         _record(
             "counter",
             "summit_stream_migrations",
-            "Streams whose engine died under them, by outcome: resumed on "
-            "another replica, failed (no replica took the continuation in time: the client got the error), "
-            "client_gone.",
+            "Streams that went on from another replica, by outcome: resumed (their engine died), moved_kv / "
+            "moved_recompute (moved off a live replica, their KV cache carried or recomputed), failed (no replica "
+            "took the continuation in time: the client got an error), client_gone.",
             1,
             {**self.tags, "outcome": outcome},
         )

@@ -17,18 +17,33 @@ At temperature 0 the continuation is the stream the dead engine would have produ
 What can be resumed (`resumable`): a stream of one choice without logprobs, echo, suffix, tools, structured output,
 presence/frequency penalties or per-chunk usage; `stream_migration: greedy` (the default) also asks temperature 0,
 `all` resumes any temperature (a fresh sample from the point reached), `off` none.
+
+A stream can also be moved off a replica whose engine lives on (`LLMServer.move_streams`: the replica is told to).
+The front then ends the engine's stream where the client's is (vLLM's app is told the client left: it aborts the
+engine request) and goes on as above — and with `kv_migration` on, the stream carries its KV cache instead of the
+other replica computing it again (`kv_plan` decides): this engine runs prompt + tokens so far once more as a prefill
+of one token with vLLM's KV-transfer protocol (`kv_transfer_params: {do_remote_decode: true}`, the protocol a
+disaggregated model's prefill pool runs; every full block is a prefix-cache hit, so it computes almost nothing) and
+its connector keeps that KV for the other engine; the continuation carries the answer's `kv_transfer_params`, and the
+other engine's connector loads the KV instead of computing it. A hand-off that fails, or a context shorter than
+`kv_migration.min_tokens`, goes on by recomputing; a KV the other engine cannot load is recomputed there (its
+connector's `kv_load_failure_policy`); a continuation that fails is continued again, recomputing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from deployments.http.protocol import HTTPRequest
+from deployments.http.protocol import REQUEST_ID_HEADER, HTTPRequest
 from deployments.http.relay import until_disconnect
+from deployments.pipeline.prefill import PREFILL_PARAMS
 from deployments.pipeline.resumable import CHAT, COMPLETIONS, RESUME_TIMEOUT_S, Resumable
 
 logger = logging.getLogger("ray.serve")
@@ -108,15 +123,8 @@ async def resume_or_fail(
     async def send(chunk: bytes) -> None:
         await out(chunk, True)
 
-    task = asyncio.ensure_future(resume.resume(forward, send))
-    gone = asyncio.ensure_future(until_disconnect(receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, gone):
-            if not t.done():
-                t.cancel()
-    if not task.done() or task.cancelled():
+    task = await _unless_client_leaves(resume.resume(forward, send), receive)
+    if task is None:
         logger.info("request %s cancelled by its caller while being resumed", rid)
         return "client_gone"
     if task.exception() is None and task.result():
@@ -128,6 +136,143 @@ async def resume_or_fail(
     )
     await out(b"".join(resume.held), False)
     return "failed"
+
+
+@dataclasses.dataclass
+class KVMigration:
+    """`kv_migration` as a replica's front runs it: streams of at least `min_tokens` of context carry their KV;
+    `tokens(ids)`: what the engine runs to hand off the KV of a stream that goes on from `ids` (the connector's)."""
+
+    min_tokens: int
+    tokens: Callable[[list[int]], list[int]] = list
+
+
+def kv_plan(resume: Resumable, kv: KVMigration | None, engine_alive: bool) -> str | None:
+    """None when a stream that moves now carries its KV cache; else why the other replica recomputes it."""
+    if kv is None:
+        return "kv_migration is off"
+    if not engine_alive:
+        return "its engine died (the KV went with it)"
+    if resume.prompt_ids is None:
+        return "no output yet (its prompt's token ids are not known)"
+    context = len(resume.prompt_ids) + len(resume.generated)
+    if context < kv.min_tokens:
+        return f"{context} tokens of context, under kv_migration.min_tokens {kv.min_tokens}"
+    return None
+
+
+class HandOffFailed(Exception):
+    """This engine did not keep the stream's KV for another (the message says why)."""
+
+
+async def hand_off(app, scope: dict, model: str, ids: list[int], request_id: bytes) -> dict:
+    """Run `ids` on this replica's engine (vLLM's OpenAI app `app`; `scope`: the stream's own request's) as a one-token
+    prefill whose KV its connector keeps for another engine; the answer's `kv_transfer_params` for that engine ({}
+    when the connector needs none: it finds the KV by the tokens). Raises HandOffFailed."""
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+            "kv_transfer_params": dict(PREFILL_PARAMS),
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (REQUEST_ID_HEADER, request_id + b"-kv-" + uuid.uuid4().hex[:8].encode()),
+    ]
+    scope = {
+        **scope,
+        "method": "POST",
+        "path": COMPLETIONS,
+        "raw_path": COMPLETIONS.encode(),
+        "query_string": b"",
+        "headers": headers,
+    }
+    given, answer = False, {"status": None, "body": []}
+    never = asyncio.Event()
+
+    async def receive() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await never.wait()  # nobody leaves this request
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            answer["body"].append(message.get("body", b""))
+
+    try:
+        await app(scope, receive, send)
+    except Exception as e:  # noqa: BLE001 — whatever stopped it, the stream recomputes
+        raise HandOffFailed(f"vLLM's app raised {type(e).__name__}: {e}") from None
+    raw = b"".join(answer["body"])
+    if answer["status"] != 200:
+        raise HandOffFailed(f"the engine answered {answer['status']}: {raw[:200]!r}")
+    try:
+        params = json.loads(raw).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        raise HandOffFailed("the engine's answer is not JSON") from None
+    return params or {}
+
+
+async def move_or_fail(
+    resume: Resumable,
+    carry: Callable[[], Awaitable[tuple[str, str | None]]],
+    forward: Callable[[HTTPRequest], Any],
+    out: Callable[[bytes, bool], Awaitable[None]],
+    receive,
+) -> str:
+    """A stream cut on a live engine to move: its KV handed off (`carry`: the outcome's kv part and why not),
+    then resumed elsewhere; the client's response ends either way. The outcome: moved_kv / moved_recompute, failed
+    (no replica took it: the client gets an error event), client_gone."""
+    rid = resume.request_id.decode()
+
+    async def send(chunk: bytes) -> None:
+        await out(chunk, True)
+
+    async def go_on() -> tuple[str, bool]:
+        kv, why = await carry()
+        logger.info(
+            "request %s: moving its stream after %d tokens (%s)",
+            rid,
+            len(resume.generated),
+            "its KV carried" if kv == "kv" else f"recomputed: {why}",
+        )
+        return kv, await resume.resume(forward, send)
+
+    task = await _unless_client_leaves(go_on(), receive)
+    if task is None:
+        logger.info("request %s cancelled by its caller while being moved", rid)
+        return "client_gone"
+    if task.exception() is None and task.result()[1]:
+        await out(b"", False)
+        kv = task.result()[0]
+        logger.info("request %s moved to another replica: %d tokens in all", rid, len(resume.generated))
+        return "moved_kv" if kv == "kv" else "moved_recompute"
+    logger.warning("request %s: no replica took the moved stream within %.0f s", rid, RESUME_TIMEOUT_S)
+    await out(resume.error_event(), False)
+    return "failed"
+
+
+async def _unless_client_leaves(work: Awaitable, receive) -> asyncio.Future | None:
+    """`work` run to its end (its task, done), or cancelled when the ASGI client leaves first (None)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+    return task if task.done() and not task.cancelled() else None
 
 
 async def _soon(predicate: Callable[[], bool], within_s: float) -> bool:

@@ -32,7 +32,7 @@ logger = logging.getLogger("ray.serve")
 
 PD_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 # What the prefill engine is asked for: one token, no stream, and the KV kept for a remote decode.
-_PREFILL_PARAMS = {
+PREFILL_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
     "remote_engine_id": None,
@@ -81,7 +81,7 @@ class Disaggregated:
 
     def prefill_request(self, path: str, payload: dict, headers: list[tuple[bytes, bytes]]) -> HTTPRequest:
         body = {k: v for k, v in payload.items() if k not in _PREFILL_DROP}
-        body.update(max_tokens=1, stream=False, kv_transfer_params=dict(_PREFILL_PARAMS))
+        body.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
         return HTTPRequest("POST", path, json.dumps(body).encode(), b"", headers, model=payload.get("model"))
 
     async def prefill(self, path: str, payload: dict, headers: list[tuple[bytes, bytes]], receive) -> dict | None:

@@ -23,6 +23,7 @@ _RETRY_S = 0.5
 # vLLM's chunks are compact JSON: a key can only match here outside a string (inside one, its quotes are escaped)
 _IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[([0-9,]*)\]')
 _ERROR_EVENT = b'data: {"error"'
+_FINISHED = re.compile(rb'"finish_reason":"')  # a choice that ended (vLLM writes null until then)
 _DONE = b"data: [DONE]"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -73,6 +74,10 @@ class Resumable:
         self.head: dict | None = None  # id, object, created, model of the stream's chunks
         self.held: list[bytes] = []  # the dead engine's error event (and anything after it), sent if resuming fails
         self.failed = False  # the engine's stream ended in an error event
+        self.moving = False  # told to move: its engine's stream ends where the client's is, then goes on elsewhere
+        self.ended = False  # its choice finished (or [DONE] went out): nothing left to go on with
+        self.done = False  # its [DONE] went out
+        self.kv_params: dict | None = None  # the next continuation's kv_transfer_params (its KV was handed off)
         self.migrations = 0
         self._resumed_at = 0  # tokens generated before the running continuation
 
@@ -97,7 +102,15 @@ class Resumable:
             self.failed = True
             self.held.append(body[error_at:])
             body = body[:error_at]
+        self.done = self.done or _DONE in body
+        if self.done or _FINISHED.search(body):
+            self.ended = True
         return _IDS.sub(self._record, body)
+
+    def error_event(self) -> bytes:
+        """The end of a stream that could not go on: an OpenAI-shaped error event, then [DONE]."""
+        error = OpenAIError.unavailable("This stream was moved off its replica and no other replica took it; retry.")
+        return b"data: " + error.to_bytes() + b"\n\n" + _DONE + b"\n\n"
 
     def _record(self, match: re.Match) -> bytes:
         ids = [int(t) for t in match.group(2).split(b",") if t]
@@ -131,6 +144,8 @@ class Resumable:
         if p.get("min_tokens"):
             body["min_tokens"] = max(0, p["min_tokens"] - len(self.generated))
         body.update(model=self.model, prompt=prompt, stream=True, return_token_ids=True)
+        if self.kv_params:  # its KV waits on the replica it left: loaded there instead of computed
+            body["kv_transfer_params"] = self.kv_params
         self.migrations += 1
         self._resumed_at = len(self.generated)
         if self._detokenizer is not None and self.prompt_ids is not None:
@@ -216,7 +231,8 @@ class Resumable:
             ended = await self._relay(stream, out)
             if ended:
                 return True
-            # the continuation's engine died too: go on from there
+            # the continuation's engine died too: go on from there, recomputing (the handed-off KV was for that one)
+            self.kv_params = None
         return False
 
     async def _relay(self, stream, out) -> bool:

@@ -4,7 +4,8 @@ The engine gets the client's `x-request-id` plus a unique suffix (a reused id ca
 with the client's id). An error that is not a stream comes out OpenAI-shaped; a 5xx that the request itself caused
 (a body vLLM's validators crash on) becomes the 400 naming the field; a 5xx from an engine that died is a 503 +
 Retry-After. A stream's chunks are coalesced (stream_coalesce_ms). A stream that can be resumed goes on from another
-replica when this engine dies under it (pipeline/migration.py). A client that leaves makes vLLM abort the request,
+replica when this engine dies under it, or when the replica is told to move its streams (`move`; pipeline/migration.py
+says how, and when the KV goes along). A client that leaves makes vLLM abort the request,
 unless the stream is resumable by its client (`stream_resume`): then its events go into the stream's journal
 (server/stream_journal.py) and the engine goes on until the client comes back or the window passes.
 """
@@ -20,7 +21,7 @@ from deployments.http.errors import OpenAIError, openai_error_bytes, request_pro
 from deployments.http.protocol import AVOID_HEADER, HOP_HEADERS, REPLICA_HEADER, REQUEST_ID_HEADER, header, without
 from deployments.http.stream_ids import STREAM_HEADER, new_stream_id
 from deployments.pipeline.context import RequestContext
-from deployments.pipeline.migration import resume_or_fail
+from deployments.pipeline.migration import HandOffFailed, hand_off, kv_plan, move_or_fail, resume_or_fail
 from deployments.server.coalesce import Coalescer
 from deployments.server.stream_journal import Journal
 
@@ -41,6 +42,11 @@ class EngineCall:
         self.journal: Journal | None = None  # a stream its client can resume (stream_resume)
         self.sink = self._to_connection  # this connection, as the journal's reader (one bound method: its identity)
         self.client_id = ctx.client_request_id.decode()
+        self._moved = asyncio.Event()  # told to move: vLLM's app is told its client left (it aborts the engine request)
+        self.moving: asyncio.Future | None = None  # what the move did (move_streams reports it)
+        self._recompute = False  # the move was asked not to carry the KV
+        self.away = False  # its client left a stream it may resume (stream_resume): the engine goes on meanwhile
+        self._client_message: asyncio.Future | None = None  # the client's next ASGI message, asked once at a time
 
     async def run(self) -> None:
         ctx = self.ctx
@@ -53,6 +59,8 @@ class EngineCall:
         # request (asgi.end_after_disconnect says why a cancellation must not reach it first)
         app = asyncio.ensure_future(self.engine.app({**ctx.scope, "headers": headers}, self.receive, self.send))
         detached = False
+        if self.resume is not None:
+            self.front.streams.add(self)  # one the replica can be told to move
         try:
             await asyncio.shield(app)
             await self._after_app()
@@ -74,14 +82,43 @@ class EngineCall:
                 "request %s: vLLM's app raised %s after answering: %s", self.client_id, type(e).__name__, str(e)[:200]
             )
         finally:
+            self.front.streams.discard(self)
+            if self.moving is not None and not self.moving.done():
+                self.moving.set_result(self._moved_as("ended", "it ended before it was cut"))
             if self.stream is not None:
                 self.stream.close()
             if self.journal is not None and not detached:
                 self.journal.close()
 
     async def _after_app(self) -> None:
-        if self.resume is not None and self.resume.failed:  # vLLM ended the stream with an error event
+        resume = self.resume
+        if resume is None:
+            return
+        if resume.failed:  # vLLM ended the stream with an error event
             await self._resume_elsewhere()
+        elif resume.moving and not self.gone and not self.answered:  # vLLM's app ended where it was told to
+            if resume.ended:  # its last tokens were out before the cut: its end (vLLM's own [DONE] if it came)
+                await self.to_client(b"" if resume.done else b"data: [DONE]\n\n", False)
+                self.answered = True
+            else:
+                await self._move_elsewhere()
+
+    def move(self, recompute: bool = False) -> asyncio.Future | None:
+        """Move this stream to another replica now (its future: what the move did; `recompute`: without its KV);
+        None when it cannot move (not resumable, ended, failed, its client gone or away, or moving already)."""
+        resume = self.resume
+        if resume is None or resume.failed or resume.moving or resume.ended or self.answered or self.gone or self.away:
+            return None
+        resume.moving = True
+        self._recompute = recompute
+        self.moving = asyncio.get_running_loop().create_future()
+        self._moved.set()
+        return self.moving
+
+    def _moved_as(self, kv: str, why: str | None) -> dict:
+        resume = self.resume
+        context = len(resume.prompt_ids or []) + len(resume.generated)
+        return {"request_id": self.client_id, "context_tokens": context, "kv": kv, "why": why}
 
     def _go_on_detached(self, app: asyncio.Task) -> None:
         """The caller's task was cancelled (its client left) under a resumable stream: the request goes on in a task of
@@ -110,12 +147,34 @@ class EngineCall:
             if self.ctx.watch is not None:
                 self.ctx.watch.engine_received()
             return {"type": "http.request", "body": self.ctx.body, "more_body": False}
-        message = await self.ctx.receive()  # http.disconnect when the client goes: vLLM aborts the engine request
+        if self.resume is None:
+            message = await self.ctx.receive()  # http.disconnect when the client goes: vLLM aborts the engine request
+        else:  # or when the stream is told to move (vLLM's app is not told why)
+            client = asyncio.ensure_future(self._client_receive())
+            moved = asyncio.ensure_future(self._moved.wait())
+            try:
+                await asyncio.wait({client, moved}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (client, moved):
+                    if not t.done():
+                        t.cancel()
+            if not client.done() or client.cancelled():
+                return {"type": "http.disconnect"}
+            message = client.result()
         if message["type"] == "http.disconnect":
             if self.journal is not None:  # unless the client may resume the stream: then once the window passed
                 self.journal.leave(self.sink)
+                self.away = True  # not moved meanwhile: the cut would wait for this
                 await self.journal.abort.wait()
             self._cancelled()
+        return message
+
+    async def _client_receive(self) -> dict:
+        """The client's next ASGI message; a caller cancelled meanwhile leaves it asked for the next caller."""
+        if self._client_message is None:
+            self._client_message = asyncio.ensure_future(self.ctx.receive())
+        message = await asyncio.shield(self._client_message)
+        self._client_message = None
         return message
 
     def _cancelled(self) -> None:
@@ -227,10 +286,40 @@ class EngineCall:
         front.relaying += 1  # this replica must live on while it relays (LLMServer.check_health)
         try:
             outcome = await resume_or_fail(
-                self.resume, self.engine.dead, self.options.resume_to, self.to_client, self.ctx.receive
+                self.resume, self.engine.dead, self.options.resume_to, self.to_client, self._client_receive
             )
         finally:
             front.relaying -= 1
         if self.options.metrics is not None and outcome:
+            self.options.metrics.stream_migration(outcome)
+        self.answered = True
+
+    async def _move_elsewhere(self) -> None:
+        """Told to move: the stream's KV handed off where kv_migration says so (else recomputed there), then it goes on
+        from another replica."""
+        resume, kv = self.resume, self.options.kv_migration
+
+        async def carry() -> tuple[str, str | None]:
+            why = "asked to recompute" if self._recompute else kv_plan(resume, kv, not self.engine.dead())
+            if why is None:
+                ids = kv.tokens(resume.prompt_ids + resume.generated)
+                try:
+                    resume.kv_params = await hand_off(
+                        self.engine.app, self.ctx.scope, resume.model, ids, self.ctx.client_request_id
+                    )
+                except HandOffFailed as e:
+                    why = f"the hand-off failed: {e}"
+            decided = ("kv", None) if why is None else ("recompute", why)
+            if self.moving is not None and not self.moving.done():
+                self.moving.set_result(self._moved_as(*decided))
+            return decided
+
+        front = self.front
+        front.relaying += 1
+        try:
+            outcome = await move_or_fail(resume, carry, self.options.resume_to, self.to_client, self._client_receive)
+        finally:
+            front.relaying -= 1
+        if self.options.metrics is not None:
             self.options.metrics.stream_migration(outcome)
         self.answered = True

@@ -48,7 +48,7 @@ from deployments.pipeline.entry import (
     route_not_served,
 )
 from deployments.pipeline.handoff import Call, to_batch_api, to_keeper, to_model_replica
-from deployments.pipeline.migration import resumable_stream
+from deployments.pipeline.migration import KVMigration, resumable_stream
 from deployments.pipeline.prefill import Disaggregated, prefill_first
 from deployments.pipeline.rate_limit import Limits
 from deployments.server.engine_call import EngineCall
@@ -90,6 +90,7 @@ class FrontOptions:
     disaggregated: Disaggregated | None = None  # a disaggregated model's decode side: its prefill pool
     migration: str = "off"  # stream_migration: greedy | all | off
     resume_to: Call | None = None  # where a resumed stream's continuation goes (one of the model's replicas)
+    kv_migration: KVMigration | None = None  # a moved stream's KV goes with it (kv_migration)
     chat_parsers: bool = False  # a reasoning or tool parser shapes chat deltas (those streams are not resumed)
     runtime_lora: RuntimeAdapters | None = None  # adapters loaded at run time (lora.runtime_loading)
     metrics: ReplicaMetrics | None = None  # serving metrics (monitoring.metrics)
@@ -102,6 +103,8 @@ class FrontOptions:
     siblings: Callable[..., Any] | None = None  # the replica's: (front, point, caller) -> that front process's resume
 
 
+_MOVES_KEPT = 256  # moves remembered (move_streams answers a request id asked again)
+
 # The routes a request's metrics and trace are kept for: the model's work (not the tokenizer's)
 MEASURED_ROUTES = POST_ROUTES - {"/tokenize", "/detokenize"}
 
@@ -113,6 +116,8 @@ class ReplicaFront(Entry):
         super().__init__(self._route)
         self.engine, self.table, self.options = engine, table, options or FrontOptions()
         self.relaying = 0  # streams this replica is resuming elsewhere and relaying to their clients
+        self.streams: set = set()  # engine calls of streams that can go on elsewhere (server/engine_call.EngineCall)
+        self._moves: dict[str, asyncio.Future] = {}  # the latest streams moved: what each move did, by request id
         self.detached: set[asyncio.Task] = set()  # resumable streams going on while their clients are away
         self._openapi: dict | None = None
         o = self.options
@@ -205,6 +210,25 @@ class ReplicaFront(Entry):
             task = self.engine.background(response_id)
             if task is not None:
                 await asyncio.wait({task})
+
+    async def move_streams(
+        self, request_ids: set[str] | None = None, timeout_s: float = 30.0, recompute: bool = False
+    ) -> list[dict]:
+        """Move every stream of this front that can go on elsewhere (of those client request ids, if given) to other
+        replicas of the model, now: what each move did once it is decided (its KV carried or recomputed, and why),
+        within `timeout_s`. A request id given again later is answered with what its move did."""
+        calls = [c for c in list(self.streams) if request_ids is None or c.client_id in request_ids]
+        moves = {call.client_id: m for call in calls if (m := call.move(recompute)) is not None}
+        for request_id, move in moves.items():
+            self._moves[request_id] = move
+            while len(self._moves) > _MOVES_KEPT:
+                self._moves.pop(next(iter(self._moves)))
+        asked = {**{r: self._moves[r] for r in request_ids or () if r in self._moves}, **moves}
+        if not asked:
+            return []
+        await asyncio.wait(asked.values(), timeout=timeout_s)
+        late = {"kv": "undecided", "why": f"not decided within {timeout_s:.0f} s"}
+        return [m.result() if m.done() else {"request_id": r, **late} for r, m in asked.items()]
 
     # the replica's steps
 

@@ -25,6 +25,7 @@ from deployments.observability import metrics
 from deployments.observability.tracing import Tracing
 from deployments.pipeline.admission import Admission
 from deployments.pipeline.auth import load_api_keys
+from deployments.pipeline.migration import KVMigration
 from deployments.pipeline.prefill import Disaggregated
 from deployments.pipeline.rate_limit import Limits
 from deployments.routing.choose import can_route
@@ -107,6 +108,7 @@ def front_options(config: ServerConfig, model: ModelConfig, site: FrontSite, poo
         coalesce_s=model.stream_coalesce_ms / 1000.0,
         migration=model.stream_migration,
         resume_to=pool.forward,
+        kv_migration=kv_migration(model),
         chat_parsers=bool(parsers),
         metrics=site.metrics if c.monitoring.metrics else None,
         tracing=site.tracing if site.tracing.enabled else None,
@@ -133,6 +135,13 @@ def front_options(config: ServerConfig, model: ModelConfig, site: FrontSite, poo
             lambda request: prefill.handle_http.remote(request), model.disaggregation_fallback
         )
     return options
+
+
+def kv_migration(model: ModelConfig) -> KVMigration | None:
+    kv = model.kv_migration
+    if kv is None:
+        return None
+    return KVMigration(kv.min_tokens, lambda ids, connector=kv.connector: engine.hand_off_tokens(connector, ids))
 
 
 async def start_adapter_sync(front: ReplicaFront) -> asyncio.Task | None:

@@ -209,6 +209,17 @@ class LLMServer:
         if self._fronts is not None:
             await self._fronts.check()
 
+    async def move_streams(self, *request_ids: str, recompute: bool = False) -> dict:
+        """Move this replica's streams that can go on elsewhere (stream_migration) to other replicas of the model, now
+        — to free its engine (before a redeploy, a sleep, or for another model's turn): each stream goes on from
+        another replica, carrying its KV cache where `kv_migration` says so; given client request ids (`x-request-id`),
+        only those. What each move did (`moved`): request id, tokens of context, `kv` (kv: carried, recompute:
+        computed there again, ended: it ended first) and why. `recompute`: none carries its KV (a benchmark's
+        control). A call for one replica goes to its actor (Serve's handles pick a replica themselves:
+        tests/replica_probe.py `call`). Streams of the replica's extra front processes are not moved."""
+        moved = await self._front.move_streams(set(request_ids) or None, recompute=recompute)
+        return {"replica_id": self._replica_id, "moved": moved}
+
     async def stats(self) -> dict:
         """This replica's process and the requests its engine holds right now. Kept beside the metrics (which the
         tests read through Ray's metrics endpoint) for two reasons: the pid (tests stop or kill the engine's
@@ -221,6 +232,8 @@ class LLMServer:
             "num_unfinished_requests": engine.num_unfinished_requests(self._engine_app.engine),
             "kv_cache_usage": engine.kv_cache_usage(),
             "generation_tokens": engine.generation_tokens(),
+            # prompt tokens computed, found in the prefix cache, loaded through the KV connector (kv_migration)
+            "prompt_tokens_by_source": engine.prompt_tokens_by_source(),
             # its extra front processes (models[].front_processes), each as its own process: pid, generated tokens
             "fronts": await self._fronts.stats() if self._fronts is not None else [],
             # routing.policy kv_cache: the blocks indexed from the engine's KV events

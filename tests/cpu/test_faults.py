@@ -44,6 +44,7 @@ from tests.cpu.engine_apps import (
 )
 from tests.engine_checks import Throttle, engine_core_processes
 from tests.ray_metrics import scrape, total
+from tests.resume_checks import parsed
 
 # Every case runs in CI. Streams are short; what must be in flight when a fault strikes is held there: the engines'
 # core processes crawl (`held`) from before the load until the fault, so a case cannot pass because its streams ended
@@ -343,25 +344,6 @@ async def run_streams(base_url: str, strike=None, request_ids: dict[str, str] | 
             await strike(progress)
         await asyncio.gather(*streams)
     return {name: {**parsed(progress[name]), "replica": replicas[name]} for name in CASES}
-
-
-def parsed(lines: list[str]) -> dict:
-    seen = {"text": "", "ids": [], "usage": None, "errors": [], "chunk_ids": set(), "done": False, "events": 0}
-    for line in lines:
-        if line == "data: [DONE]":
-            seen["done"] = True
-            continue
-        chunk = json.loads(line[6:])
-        if "error" in chunk:
-            seen["errors"].append(chunk["error"])
-            continue
-        seen["chunk_ids"].add(chunk["id"])
-        seen["usage"] = chunk.get("usage") or seen["usage"]
-        for choice in chunk["choices"]:
-            seen["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            seen["ids"] += choice.get("token_ids") or []
-        seen["events"] += 1
-    return seen
 
 
 def strike_once(app, reference: dict[str, dict]) -> set[str]:

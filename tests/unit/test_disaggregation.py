@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from app.build.disaggregation import disaggregation_problem, pd_side
 from app.build.engine_checks import load_config
-from app.build.options import engine_pools, prefill_deployment_options, serving_models
+from app.build.options import engine_pools, llm_deployment_options, prefill_deployment_options, serving_models
 from app.config import SummitConfig
 from app.plan.validate import Hardware, validate_doc
 from deployments.engine import engine_args
@@ -273,3 +273,48 @@ def test_each_nixl_engine_gets_its_own_side_channel_port_on_the_nodes_address():
     )
     _own_kv_side_channel(SimpleNamespace(kv_transfer_config=None), untouched)
     assert untouched == {}
+
+
+# kv_migration: every replica of the model runs the connector both ways (a moving stream's KV goes along)
+
+
+def kv_model(**kv) -> dict:
+    return {
+        "name": "m",
+        "source": "/models/m",
+        "accelerator": "cpu",
+        "kv_migration": {"connector": "shared_storage", **kv},
+    }
+
+
+def test_a_kv_migrating_model_runs_its_connector_both_ways_on_every_replica():
+    config = load_config({"models": [kv_model(min_tokens=64)]})
+    (served,) = serving_models(config.models)
+    kv = engine_args(served)["kv_transfer_config"]
+    assert kv["kv_connector"] == "ExampleConnector" and kv["kv_role"] == "kv_both"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/tmp/summit-kv/m-migration"
+    assert kv["kv_buffer_device"] == "cpu"
+    # the example connector stores a prompt's KV from its first step: whole prompts (FACTS)
+    assert engine_args(served)["enable_chunked_prefill"] is False
+    assert engine_pools(config.models[0]) == [("m", served)]
+    # Summit's router even under least_load: a moved stream's continuation skips the replica it left
+    assert "ModelPolicyRouter" in llm_deployment_options(served)["request_router_config"]["request_router_class"]
+    plain = load_config({"models": [{k: v for k, v in kv_model().items() if k != "kv_migration"}]})
+    assert "kv_transfer_config" not in engine_args(serving_models(plain.models)[0])
+
+
+def test_what_kv_migration_cannot_do_is_refused_naming_the_key():
+    assert "`kv_migration` and `disaggregation` together" in error_text(
+        {**kv_model(), "disaggregation": {"connector": "shared_storage"}}
+    )
+    assert "stream_migration: off moves none" in error_text({**kv_model(), "stream_migration": "off"})
+    assert "kv_migration.kv_buffer_device 'cuda' needs GPUs" in error_text(kv_model(kv_buffer_device="cuda"))
+    assert "kv_migration.min_tokens" in error_text(kv_model(min_tokens=0)).replace("\n", ".")
+
+
+def test_the_example_connector_hands_off_all_but_the_last_token():
+    from deployments.engine import hand_off_tokens
+
+    # it stores n tokens under their first (n-1)//block*block and looks a prompt of n up under (n-2)//block*block
+    assert hand_off_tokens("shared_storage", [1, 2, 3]) == [1, 2]
+    assert hand_off_tokens("nixl", [1, 2, 3]) == [1, 2, 3]

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from deployments.http.protocol import ResponseStart
-from deployments.pipeline.migration import resumable
+from deployments.pipeline.migration import KVMigration, kv_plan, resumable
 from deployments.pipeline.resumable import Resumable
 from deployments.server.front import ReplicaFront
 from tests.unit.test_front import FakeReplicaStream, make_front
@@ -310,3 +310,158 @@ def test_vllms_detokenizer_brought_to_the_cut_writes_what_the_whole_stream_would
     for cut in range(1, len(output)):
         resumed = output_detokenizer(engine, prompt, output[:cut])
         assert "".join(resumed([t], False) for t in output[cut:]) == "".join(expected[cut:]), cut
+
+
+# Streams moved off a live engine (ReplicaFront.move_streams), KV carried or recomputed (kv_migration)
+
+
+class MovableEngineApp:
+    """A fake engine app that lives on: a stream request gets `tokens` completion chunks, one per step, and stops
+    where its client leaves (as Starlette's streaming response does: no last message); `stepped` is set once
+    `at` chunks went out and the stream then waits to be cut. A one-token request with kv_transfer_params (a
+    hand-off) is answered with `params`, or `hand_off_status` as an error."""
+
+    def __init__(self, tokens: int, at: int, params: dict | None = None, hand_off_status: int = 200):
+        self.tokens, self.at, self.params, self.hand_off_status = tokens, at, params, hand_off_status
+        self.bodies: list[dict] = []
+        self.stepped = asyncio.Event()
+        self.finish_at_cut = False  # the stream's last chunk and [DONE] go out before the cut is seen
+
+    async def __call__(self, scope, receive, send):
+        body = json.loads((await receive())["body"])
+        self.bodies.append(body)
+        if not body.get("stream"):
+            status = self.hand_off_status
+            answer = {"choices": [{"text": "x"}], "kv_transfer_params": self.params} if status == 200 else {}
+            data = json.dumps(answer).encode()
+            await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"json")]})
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+            return
+        left = asyncio.ensure_future(receive())
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(self.tokens):
+            if left.done():
+                return  # the client left (or so the front says): the engine request is aborted
+            last = i == self.tokens - 1
+            chunk = completion_chunk(f" t{i}", 100 + i, prompt=[1, 2] if i == 0 else None, finish=None)
+            if i == self.at - 1 and self.finish_at_cut:
+                chunk = completion_chunk(f" t{i}", 100 + i, finish="length") + b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if i == self.at - 1:
+                self.stepped.set()
+                await asyncio.wait({left})
+            elif last:
+                break
+            await asyncio.sleep(0)
+        if not left.done():
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        left.cancel()
+
+
+def continuation_from(start: int, end: int) -> FakeReplicaStream:
+    other = '{"id":"cmpl-other","object":"text_completion","created":99,"model":"m","choices":[{"index":0,'
+    chunks = [completion_chunk(f" t{i}", 100 + i, head=other) for i in range(start, end)]
+    chunks[-1] = completion_chunk(f" t{end - 1}", 100 + end - 1, head=other, finish="length")
+    return FakeReplicaStream([ResponseStart(200, []), *chunks, b"data: [DONE]\n\n"])
+
+
+def moving_front(engine, continuations: list, min_tokens: int | None):
+    sent = []
+
+    def resume_to(request):
+        sent.append(json.loads(request.body))
+        return continuations.pop(0)
+
+    kv = KVMigration(min_tokens) if min_tokens is not None else None
+    app = make_front(
+        engine, "m", ["m"], None, lambda: False, "replica-1", migration="greedy", resume_to=resume_to, kv_migration=kv
+    )
+    return app, sent
+
+
+def move_after_step(app, engine, tokens: int = 6) -> tuple[httpx.Response, list[dict]]:
+    async def run():
+        request = asyncio.ensure_future(
+            post(app, {"model": "m", "prompt": "x", "max_tokens": tokens, "temperature": 0, "stream": True})
+        )
+        await engine.stepped.wait()
+        moved = await app.move_streams()
+        return await request, moved
+
+    return asyncio.run(run())
+
+
+def texts(r: httpx.Response) -> str:
+    events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+    assert {e["id"] for e in events} == {"cmpl-1"}, r.text
+    return "".join(e["choices"][0]["text"] for e in events)
+
+
+def test_a_moved_stream_hands_its_kv_off_and_goes_on_from_it_elsewhere():
+    params = {"do_remote_prefill": True, "remote_block_ids": [7, 8], "remote_engine_id": "e1"}
+    engine = MovableEngineApp(tokens=6, at=3, params=params)
+    app, sent = moving_front(engine, [continuation_from(3, 6)], min_tokens=4)
+    r, moved = move_after_step(app, engine)
+    assert texts(r) == " t0 t1 t2 t3 t4 t5" and r.text.count("[DONE]") == 1 and '"error"' not in r.text
+    # the hand-off: prompt + tokens so far, one token, the KV kept for a remote decode (vLLM's protocol)
+    hand_off = engine.bodies[1]
+    assert hand_off["prompt"] == [1, 2, 100, 101, 102] and hand_off["max_tokens"] == 1 and not hand_off["stream"]
+    assert hand_off["kv_transfer_params"]["do_remote_decode"] is True
+    # the continuation carries the hand-off's answer: the other engine loads that KV instead of computing it
+    assert sent[0]["prompt"] == [1, 2, 100, 101, 102] and sent[0]["kv_transfer_params"] == params
+    assert sent[0]["max_tokens"] == 3
+    assert moved == [{"request_id": moved[0]["request_id"], "context_tokens": 5, "kv": "kv", "why": None}]
+
+
+@pytest.mark.parametrize(
+    ("min_tokens", "hand_off_status", "why"),
+    [(6, 200, "under kv_migration.min_tokens 6"), (4, 500, "the hand-off failed"), (None, 200, "kv_migration is off")],
+)
+def test_a_moved_stream_that_cannot_carry_its_kv_is_recomputed_elsewhere(min_tokens, hand_off_status, why):
+    engine = MovableEngineApp(tokens=6, at=3, params={"remote_block_ids": [7]}, hand_off_status=hand_off_status)
+    app, sent = moving_front(engine, [continuation_from(3, 6)], min_tokens=min_tokens)
+    r, moved = move_after_step(app, engine)
+    assert texts(r) == " t0 t1 t2 t3 t4 t5" and r.text.count("[DONE]") == 1
+    assert "kv_transfer_params" not in sent[0] and sent[0]["prompt"] == [1, 2, 100, 101, 102]
+    assert moved[0]["kv"] == "recompute" and why in moved[0]["why"], moved
+    assert len(engine.bodies) == (2 if hand_off_status != 200 else 1)  # a hand-off only where it was tried
+
+
+def test_a_carried_continuation_that_fails_goes_on_recomputing():
+    engine = MovableEngineApp(tokens=6, at=3, params={"remote_block_ids": [7]})
+    other = '{"id":"cmpl-other","object":"text_completion","created":99,"model":"m","choices":[{"index":0,'
+    failing = FakeReplicaStream([ResponseStart(200, []), completion_chunk(" t3", 103, head=other), ERROR])
+    app, sent = moving_front(engine, [failing, continuation_from(4, 6)], min_tokens=4)
+    r, _ = move_after_step(app, engine)
+    assert texts(r) == " t0 t1 t2 t3 t4 t5" and '"error"' not in r.text
+    assert sent[0]["kv_transfer_params"] == {"remote_block_ids": [7]}
+    assert "kv_transfer_params" not in sent[1] and sent[1]["prompt"] == [1, 2, 100, 101, 102, 103]
+
+
+def test_a_stream_whose_end_went_out_is_not_moved():
+    engine = MovableEngineApp(tokens=6, at=3)
+    engine.finish_at_cut = True
+    app, sent = moving_front(engine, [], min_tokens=1)
+
+    async def run():
+        request = asyncio.ensure_future(
+            post(app, {"model": "m", "prompt": "x", "max_tokens": 3, "temperature": 0, "stream": True})
+        )
+        await engine.stepped.wait()
+        moved = await app.move_streams()
+        request.cancel()  # the fake engine waits for a client that would leave now
+        return moved
+
+    assert asyncio.run(run()) == [] and not sent
+
+
+def test_kv_plan_says_why_a_stream_recomputes():
+    r = Resumable("/v1/completions", {"prompt": "x", "stream": True}, "m", b"r")
+    kv = KVMigration(4)
+    assert kv_plan(r, kv, True) == "no output yet (its prompt's token ids are not known)"
+    r.prompt_ids, r.generated = [1, 2], [3]
+    assert "3 tokens of context" in kv_plan(r, kv, True)
+    r.generated.append(4)
+    assert kv_plan(r, kv, True) is None
+    assert kv_plan(r, kv, False) == "its engine died (the KV went with it)"
+    assert kv_plan(r, None, True) == "kv_migration is off"
