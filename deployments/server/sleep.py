@@ -49,7 +49,16 @@ class Sleeper:
         self._error: str | None = None  # why the last wake failed (its waiters are answered 503)
         self._tries = self._failed_try = 0  # wakes begun; the last that failed
         self.last_used = self.awake_since = time.monotonic()
-        self.counts: dict[str, Any] = {"sleeps": 0, "wakes": 0, "last_wake_s": None, "last_sleep_s": None}
+        # last_*_s: how long the last wake / sleep took; woke_at: when the last wake began (epoch s, its GPU turn
+        # held), slept_at: when the last sleep ended (before the turn passed on)
+        self.counts: dict[str, Any] = {
+            "sleeps": 0,
+            "wakes": 0,
+            "last_wake_s": None,
+            "last_sleep_s": None,
+            "woke_at": None,
+            "slept_at": None,
+        }
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self, start_engine: Callable[[], Awaitable[Any]]) -> Any:
@@ -98,6 +107,7 @@ class Sleeper:
             if self._turns is not None:
                 await self._turns.acquire()
             began = time.monotonic()
+            self.counts["woke_at"] = time.time()
             await self._engine.wake(self.options.level)
             self.counts["wakes"] += 1
             self.counts["last_wake_s"] = round(time.monotonic() - began, 3)
@@ -133,6 +143,7 @@ class Sleeper:
         if not slept:
             return False
         self.counts["sleeps"] += 1
+        self.counts["slept_at"] = time.time()
         self.counts["last_sleep_s"] = round(time.monotonic() - began, 3)
         logger.info("engine of %s asleep (%s) in %.2f s", self.model, why, self.counts["last_sleep_s"])
         if self._turns is not None:  # before anyone may ask again: a new wake queues behind the waiting models

@@ -265,7 +265,9 @@ def test_two_models_sharing_a_gpu_take_turns_never_mid_stream_and_sleep_when_idl
     """`share_with`: one engine of the two awake at a time. An embeddings request sent while the fp8 model streams
     waits for the whole stream (never cut), then the fp8 engine sleeps and the embedding engine wakes (vLLM's own
     `is_sleeping()` says so); idle for `after_idle_s`, the embedding engine sleeps too; the next request wakes its
-    engine and is answered."""
+    engine and is answered. Fails if the stream is cut (the fp8 engine slept under it: vLLM's sleep aborts what its
+    engine runs), if the embedding engine began waking before the fp8 engine was asleep (the replicas' own clocks of
+    one box: the embeddings were answered beside the stream), or if an engine does not sleep or wake."""
     before = _sleep_stats(features_app)
     assert set(before) == {QUANTIZED, EMBED, CLASSIFY}, before
     stream = client.completions.create(
@@ -279,32 +281,30 @@ def test_two_models_sharing_a_gpu_take_turns_never_mid_stream_and_sleep_when_idl
     )
     chunks = [next(stream)]  # the fp8 engine is awake and streaming
     embedded: dict = {}
-    order: list[str] = []  # what happened, in order (each appended as it happens, by the thread it happens in)
     sent = threading.Event()
 
     def embed() -> None:
-        order.append("embeddings sent")
         sent.set()
         embedded["vectors"] = client.embeddings.create(model=EMBED, input=["A storm over the pass."]).data
-        order.append("embeddings answered")
 
     thread = threading.Thread(target=embed, daemon=True)
     thread.start()
     assert sent.wait(60)
     chunks.append(next(stream))  # the stream goes on after the embeddings request was sent
     chunks += list(stream)
-    order.append("stream ended")
     thread.join(120)
     assert embedded.get("vectors"), "the embeddings request was not answered"
-    # the embedding model answered only after the fp8 model's stream ended (its engine took its turn after it)
-    assert order == ["embeddings sent", "stream ended", "embeddings answered"], order
     # the stream was not cut: vLLM's sleep aborts what its engine still runs, so the fp8 engine, which slept for the
     # embedding model (below), slept after the whole stream
     assert chunks[-1].usage.completion_tokens == 160
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    # the embedding engine took its turn after the fp8 engine's sleep, which waited for the stream's end. Read on the
+    # replicas, not by the order this process saw the two answers in (a loaded CI box had this process take in the
+    # embeddings answer before the stream's last bytes: that order is the box's scheduling, not the engines')
     during = _sleep_stats(features_app)
-    assert during[QUANTIZED]["sleeps"] > before[QUANTIZED]["sleeps"]
-    assert during[EMBED]["wakes"] > before[EMBED]["wakes"] or during[EMBED]["sleeps"] > before[EMBED]["sleeps"]
+    assert during[QUANTIZED]["sleeps"] > before[QUANTIZED]["sleeps"], (before, during)
+    assert during[EMBED]["wakes"] > before[EMBED]["wakes"], (before, during)
+    assert during[EMBED]["woke_at"] >= during[QUANTIZED]["slept_at"], during
     assert during[QUANTIZED]["engine_sleeping"], during  # vLLM's engine itself reports sleep
     # idle for IDLE_S: the embedding engine sleeps as well (both asleep now)
     assert wait_for(lambda: all(s["engine_sleeping"] for s in _sleep_stats(features_app).values()), 60, 1)

@@ -137,6 +137,9 @@ def test_models_sharing_a_gpu_take_turns_one_awake_and_never_mid_request():
         assert log == ["b start", "b end", "a start", "a end"]
         assert engines["b"].calls == ["sleep1"] and engines["a"].calls == ["sleep1", "wake"]
         assert engines["a"].overlaps == engines["b"].overlaps == 0
+        # what the real-engine test reads: a's wake began after b's sleep ended
+        woke_at, slept_at = sleepers["a"].stats()["woke_at"], sleepers["b"].stats()["slept_at"]
+        assert slept_at is not None and woke_at >= slept_at
         for s in sleepers.values():
             s.stop()
 
