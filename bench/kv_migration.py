@@ -20,6 +20,8 @@ Not a test: nothing is asserted. `--json FILE` writes one row a mode and context
 summit-recompute), concurrency (the moved stream + the background ones), context_tokens, cut_to_next_token_p50_ms
 (also as ttft_p50_ms: the continuation's first token, seen by the client) and _p99, target_tpot_before_ms,
 target_tpot_during_ms, out_tok_s (the background streams' during the move), loaded_tokens_p50, decisions,
+move_call_p50_ms (the move's call: the source's cut and hand-off), nixl_{transfers,xfer_s,post_s,mib,descriptors}_p50
+(the target's NIXL reads of one move, from vLLM's own NIXL metrics; 0 with another connector),
 serving_cpu_s_per_1k_tok: null}.
 """
 
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -55,6 +58,8 @@ MODES = {"summit-kv-carried": False, "summit-recompute": True}  # peer -> move_s
 def summit_config(ns: argparse.Namespace, model_dir: str, storage: str) -> dict:
     connector_config = {"shared_storage_path": storage} if ns.connector == "shared_storage" else {}
     engine = engine_kwargs(ns)
+    if ns.block_size:
+        engine["block_size"] = ns.block_size
     if ns.accelerator == "gpu" and ns.eager:
         engine["enforce_eager"] = True  # two engines start in minutes, not more (the stall is a prefill or a load)
     model = {
@@ -147,9 +152,18 @@ def replica_urls(cluster, replicas: int = 2, timeout_s: float = 300) -> dict[str
     return urls
 
 
-def loaded_tokens(cluster) -> dict[str, int]:
+def connector_stats(cluster) -> dict[str, dict[str, float]]:
+    """Each replica's tokens loaded through its connector (`loaded`) and the connector's own counters (NIXL's
+    transfer time, bytes, descriptors: `nixl_*`), so far."""
     answers = probe(cluster.address, "each", "summit", POOL, "stats", "--replicas", "2")
-    return {rid: int(s["prompt_tokens_by_source"].get("external_kv_transfer", 0)) for rid, s in answers.items()}
+    return {
+        rid: {"loaded": s["prompt_tokens_by_source"].get("external_kv_transfer", 0), **s.get("kv_connector", {})}
+        for rid, s in answers.items()
+    }
+
+
+def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
 def tpot(times: list[float], start: float, end: float) -> float | None:
@@ -167,7 +181,7 @@ def one_round(ns, cluster, source: str, target: str, urls: dict, context: int, r
         )
         for i in range(ns.background)
     ]
-    before = loaded_tokens(cluster)  # idle: Summit's routers send the probe to both replicas
+    before = connector_stats(cluster)  # idle: Summit's routers send the probe to both replicas
     for s in background:
         s.start()
     while background and any(len(s.times) < 8 for s in background if s.error is None):
@@ -177,17 +191,20 @@ def one_round(ns, cluster, source: str, target: str, urls: dict, context: int, r
     while len(moved.times) < ns.events_before and moved.error is None and moved.is_alive():
         time.sleep(0.002)
     asked = time.monotonic()
-    answer = probe(
-        cluster.address,
-        "call",
-        "summit",
-        POOL,
-        source,
-        "move_streams",
-        rid,
-        "--kwargs",
-        json.dumps({"recompute": recompute}),
-    )
+    answer, moved_s = (
+        probe(
+            cluster.address,
+            "call",
+            "summit",
+            POOL,
+            source,
+            "move_streams",
+            rid,
+            "--kwargs",
+            json.dumps({"recompute": recompute}),
+        ),
+        time.monotonic() - asked,
+    )  # the call returns once the source decided (and handed its KV off)
     moved.join()
     decisions = [m for m in answer["moved"] if m.get("request_id") == rid]
     after_cut = [t for t in moved.times if t >= asked]
@@ -200,16 +217,38 @@ def one_round(ns, cluster, source: str, target: str, urls: dict, context: int, r
     bg_before = [tpot(s.times, asked - 1.0, asked) for s in background]
     bg_during = [tpot(s.times, asked, resumed_at + 1.0) for s in background]
     during_tokens = sum(len([t for t in s.times if asked <= t <= resumed_at + 1.0]) for s in background)
-    after = loaded_tokens(cluster)
+    on_target = grown(before.get(target, {}), connector_stats(cluster).get(target, {}))
     return {
         "stall_s": stall,
-        "loaded": after.get(target, 0) - before.get(target, 0),
+        "move_call_s": moved_s,
+        "loaded": on_target.get("loaded", 0),
+        # the target's NIXL reads of this move: count, seconds in all, MiB, descriptors (GPU runs)
+        "xfer": {
+            "transfers": on_target.get("nixl_xfer_time_seconds_count", 0),
+            "xfer_s": on_target.get("nixl_xfer_time_seconds_sum", 0),
+            "post_s": on_target.get("nixl_post_time_seconds_sum", 0),
+            "mib": on_target.get("nixl_bytes_transferred_sum", 0) / 2**20,
+            "descriptors": on_target.get("nixl_num_descriptors_sum", 0),
+        },
         "bg_before": statistics.mean([x for x in bg_before if x is not None] or [float("nan")]),
         "bg_during": statistics.mean([x for x in bg_during if x is not None] or [float("nan")]),
         "bg_tok_s": during_tokens / max(1e-9, resumed_at + 1.0 - asked),
         "decision": decisions[0] if decisions else None,
         "errors": [e for e in [moved.error, *(s.error for s in background)] if e],
     }
+
+
+def log_lines(cluster, pattern: str) -> list[str]:
+    """The lines of the cluster's logs that match `pattern` (a regular expression), each after its file's name."""
+    found, wanted = [], re.compile(pattern)
+    for path in sorted(cluster.temp_dir.rglob("*")):
+        if path.is_file() and path.suffix in (".log", ".out", ".err"):
+            try:
+                text = path.read_text(errors="replace")
+            except OSError:
+                continue
+            found += [f"{path.name}: {line}\n" for line in text.splitlines() if wanted.search(line)]
+    return found
 
 
 def rows_of(results: dict[tuple[str, int], list[dict]], ns: argparse.Namespace) -> list[dict]:
@@ -234,6 +273,11 @@ def rows_of(results: dict[tuple[str, int], list[dict]], ns: argparse.Namespace) 
                 "target_tpot_during_ms": round(statistics.median(g["bg_during"] for g in got) * 1e3, 2),
                 "out_tok_s": round(statistics.median(g["bg_tok_s"] for g in got), 1),
                 "loaded_tokens_p50": statistics.median(g["loaded"] for g in got),
+                "move_call_p50_ms": round(statistics.median(g["move_call_s"] for g in got) * 1e3, 1),
+                **{
+                    f"nixl_{k}_p50": round(statistics.median(g["xfer"][k] for g in got), 3)
+                    for k in ("transfers", "xfer_s", "post_s", "mib", "descriptors")
+                },
                 "decisions": sorted({(g["decision"] or {}).get("kv", "none") for g in got}),
                 "errors": sum(len(g["errors"]) for g in got),
                 "serving_cpu_s_per_1k_tok": None,
@@ -260,8 +304,11 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=None, help="the host's GPUs (1: both replicas share GPU 0)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="each engine's share of its GPU")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="GPU: enforce_eager")
+    p.add_argument("--block-size", type=int, default=None, help="the engines' KV block size (vLLM's default: 16)")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--log-lines", help="write the cluster's log lines that match --log-pattern here (before it stops)")
+    p.add_argument("--log-pattern", default=r"KV Transfer metrics|UCX|ucp_|cuda_ipc|nixl|NIXL")
     ns = p.parse_args()
     ns.connector = ns.connector or ("shared_storage" if ns.accelerator == "cpu" else "nixl")
     model_dir = ns.model_dir
@@ -300,11 +347,14 @@ def main() -> None:
                     print(
                         f"  {peer} context {context} round {r}: cut->next {(got['stall_s'] or 0) * 1e3:.1f} ms, loaded "
                         f"{got['loaded']}, target TPOT {got['bg_before'] * 1e3:.2f} -> {got['bg_during'] * 1e3:.2f} "
-                        f"ms, {got['decision']}, errors {got['errors']}",
+                        f"ms, move call {got['move_call_s'] * 1e3:.0f} ms, NIXL {got['xfer']}, {got['decision']}, "
+                        f"errors {got['errors']}",
                         flush=True,
                     )
     finally:
         print(f"logs naming NVLink multicast: {multicast_hits(cluster) or 'none'}", flush=True)
+        if ns.log_lines:  # before the cluster stops (stopping removes its logs)
+            Path(ns.log_lines).write_text("".join(log_lines(cluster, ns.log_pattern)))
         cluster.stop()
     rows = rows_of(results, ns)
     print(f"\n{'peer':<20}{'context':>8}{'cut->next p50':>15}{'TPOT before':>13}{'during':>9}{'loaded':>8}   (ms)")

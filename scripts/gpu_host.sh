@@ -142,12 +142,16 @@ kv-migration)
   # bench/kv_migration.py: a stream moved off a live replica, its KV carried over NIXL vs recomputed, at 1k / 8k /
   # 32k tokens of context (ROUNDS, default 2, alternating); GPUS=1 (default): both replicas on GPU 0
   python3 -c "import nixl._api" || { echo "NIXL does not import"; exit 3; }
-  gpus=${GPUS:-1}
+  # BLOCK_SIZE: the engines' KV block size (vLLM's default 16; NIXL reads a descriptor a block and layer); the
+  # logs' NIXL/UCX lines (UCX_LOG_LEVEL=info names the transports UCX chose) go to $out
+  gpus=${GPUS:-1} tag=${GPUS:-1}-b${BLOCK_SIZE:-16}
   share=(); [ "$gpus" = 1 ] && share=(--gpu-memory-utilization 0.42)
+  # shellcheck disable=SC2086 # CONTEXTS: a list
   python3 bench/kv_migration.py --accelerator gpu --model-dir "$model8b" --load-format dummy --gpus "$gpus" \
     --contexts ${CONTEXTS:-1024 8192 32768} --max-model-len 33792 --max-tokens 512 --events-before 16 --background 2 \
-    --background-tokens 600 --rounds "${ROUNDS:-2}" "${share[@]}" --json "$out/gpu-kv-migration-$gpus.json" 2>&1 \
-    | tee "$out/gpu-kv-migration-$gpus.log"
+    --background-tokens 600 --rounds "${ROUNDS:-2}" "${share[@]}" ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
+    --json "$out/gpu-kv-migration-$tag.json" --log-lines "$out/gpu-kv-migration-$tag-lines.txt" 2>&1 \
+    | tee "$out/gpu-kv-migration-$tag.log"
   grep -rl mnnvl /tmp/summit-ray-* 2>/dev/null | tee "$out/mnnvl-hits.txt" ;;
 batch)
   shift

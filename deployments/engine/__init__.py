@@ -47,6 +47,7 @@ from deployments.engine.metrics import (
     engine_metric_samples,
     generation_tokens,
     kv_cache_usage,
+    kv_connector_counters,
     latency_buckets,
     prompt_tokens_by_source,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "hand_off_tokens",
     "prompt_tokens_by_source",
     "kv_block_size",
+    "kv_connector_counters",
     "kv_cache_blocks",
     "kv_cache_usage",
     "kv_connector",

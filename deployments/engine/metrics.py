@@ -76,3 +76,22 @@ def prompt_tokens_by_source() -> dict[str, int]:
             source = m.labels.get("source", "")
             out[source] = out.get(source, 0) + int(m.value)
     return out
+
+
+def kv_connector_counters() -> dict[str, float]:
+    """The KV connector's own counters in this process (vLLM's `vllm:nixl_*` metrics: transfers' time, bytes,
+    descriptors, failures), as `<name>_sum` / `<name>_count` for a histogram, the value for a counter; empty with
+    metrics off, another connector, or a vLLM without them."""
+    from vllm.v1.metrics.reader import Counter, Histogram, get_metrics_snapshot
+
+    out: dict[str, float] = {}
+    for m in get_metrics_snapshot():
+        if not m.name.startswith("vllm:nixl_"):
+            continue
+        name = m.name.removeprefix("vllm:")
+        if isinstance(m, Histogram):
+            out[name + "_sum"] = out.get(name + "_sum", 0.0) + float(m.sum)
+            out[name + "_count"] = out.get(name + "_count", 0.0) + float(m.count)
+        elif isinstance(m, Counter):
+            out[name] = out.get(name, 0.0) + float(m.value)
+    return out

@@ -234,6 +234,8 @@ class LLMServer:
             "generation_tokens": engine.generation_tokens(),
             # prompt tokens computed, found in the prefix cache, loaded through the KV connector (kv_migration)
             "prompt_tokens_by_source": engine.prompt_tokens_by_source(),
+            # the KV connector's transfers (NIXL: time, bytes, descriptors), where it counts them
+            "kv_connector": engine.kv_connector_counters(),
             # its extra front processes (models[].front_processes), each as its own process: pid, generated tokens
             "fronts": await self._fronts.stats() if self._fronts is not None else [],
             # routing.policy kv_cache: the blocks indexed from the engine's KV events
