@@ -275,6 +275,29 @@ def test_each_nixl_engine_gets_its_own_side_channel_port_on_the_nodes_address():
     assert untouched == {}
 
 
+def test_nixl_engines_read_remote_kv_over_cuda_ipc_unless_the_environment_says_otherwise():
+    """UCX emulates a GET between GPUs of one node over TCP unless it detects NVLink (one H200: 9.1 s for 4 GB,
+    14 ms with the GET on cuda_ipc). Fails if a NIXL engine's environment does not turn it on, if a user's own value
+    is overwritten, or if another connector's engine gets it."""
+    from types import SimpleNamespace
+
+    from deployments.engine.app import _nixl_reads_over_cuda_ipc
+
+    nixl = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="NixlConnector"))
+    env: dict = {}
+    _nixl_reads_over_cuda_ipc(nixl, env)
+    assert env == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    given = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    _nixl_reads_over_cuda_ipc(nixl, given)
+    assert given == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    untouched: dict = {}
+    _nixl_reads_over_cuda_ipc(
+        SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="ExampleConnector")), untouched
+    )
+    _nixl_reads_over_cuda_ipc(SimpleNamespace(kv_transfer_config=None), untouched)
+    assert untouched == {}
+
+
 # kv_migration: every replica of the model runs the connector both ways (a moving stream's KV goes along)
 
 
