@@ -195,8 +195,9 @@ def _own_kv_side_channel(vllm_config, env: dict | None = None) -> None:
 def _nixl_reads_over_cuda_ipc(vllm_config, env: dict | None = None) -> None:
     """vLLM's NixlConnector reads the KV it loads (a remote GET); UCX serves a GET between GPUs of one node over
     cuda_ipc only where it detects NVLink, else it emulates it over TCP through host memory: a moved stream's 32k
-    tokens of 8B KV took 9.1 s that way on one H200, 14 ms with the GET on cuda_ipc
-    (bench/results/h200-kv-migration-2026-12-02.md). Turn it on for NIXL engines unless the environment sets it."""
+    tokens of 8B KV took 9.1 s that way on one H200, 14-21 ms with the GET on cuda_ipc
+    (bench/results/h200-kv-migration-cuda-ipc-2026-12-02.md). Turn it on for NIXL engines unless the environment
+    sets it."""
     env = os.environ if env is None else env
     kv = getattr(vllm_config, "kv_transfer_config", None)
     if kv is not None and (kv.kv_connector or "").startswith("Nixl"):
