@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.build.options import DIRECT_PATH_ENV  # noqa: E402
 from bench.engines import gpu_cluster_env, multicast_hits  # noqa: E402
 from bench.loadgen import percentile  # noqa: E402
-from bench.serve_overhead import MODEL, engine_env, engine_kwargs  # noqa: E402
+from bench.serve_overhead import MODEL, engine_kwargs, serve_app_config  # noqa: E402
 from tests.cpu.engine_apps import replica_ports  # noqa: E402
 from tests.local_cluster import RAY_WORKER_PRESTART, LocalCluster  # noqa: E402
 from tests.replica_probe import probe  # noqa: E402
@@ -71,25 +71,8 @@ def summit_config(ns: argparse.Namespace, model_dir: str, storage: str) -> dict:
         "stream_coalesce_ms": 0,  # every token as it comes: the gaps are the engine's
         "kv_migration": {"connector": ns.connector, "connector_config": connector_config, "min_tokens": 1},
     }
-    return {
-        "proxy_location": "HeadOnly",
-        "applications": [
-            {
-                "name": "summit",
-                "route_prefix": "/",
-                "import_path": "app.build:build_app",
-                "runtime_env": {
-                    "env_vars": {
-                        "RAY_AUTH_MODE": "disabled",
-                        "RAY_worker_niceness": "0",
-                        **engine_env(ns),
-                        **{k: v for k, v in os.environ.items() if k.startswith("UCX_")},  # NIXL's transport
-                    }
-                },
-                "args": {"models": [model]},
-            }
-        ],
-    }
+    ucx = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}  # NIXL's transport, as this shell sets it
+    return serve_app_config(ns, {"models": [model]}, ucx)
 
 
 class Stream(threading.Thread):

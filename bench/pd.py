@@ -35,6 +35,7 @@ from bench.serve_overhead import (
     engine_env,
     engine_kwargs,
     run_loads,
+    serve_app_config,
     serve_peer,  # noqa: E402
     wait_http,
 )
@@ -67,20 +68,7 @@ def summit_model(ns: argparse.Namespace, model_dir: str, **fields) -> dict:
 
 
 def summit_config(ns: argparse.Namespace, model: dict) -> dict:
-    return {
-        "proxy_location": "HeadOnly",
-        "applications": [
-            {
-                "name": "summit",
-                "route_prefix": "/",
-                "import_path": "app.build:build_app",
-                "runtime_env": {
-                    "env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}
-                },
-                "args": {"models": [model]},
-            }
-        ],
-    }
+    return serve_app_config(ns, {"models": [model]})
 
 
 class DecodePhases:

@@ -304,22 +304,28 @@ def summit_config(
         }
         for name in model_names(ns)
     ]
+    return serve_app_config(ns, {"models": models, **({"monitoring": monitoring} if monitoring else {})}, app_env)
+
+
+def serve_app_config(
+    ns: argparse.Namespace,
+    args: dict,
+    app_env: dict[str, str] | None = None,
+    name: str = "summit",
+    import_path: str = "app.build:build_app",
+) -> dict:
+    """A Serve config of one application at `/` (Summit's, unless `import_path` says another) built from `args`, its
+    workers' environment the load's engine settings (engine_env) + `app_env`, auth off, workers at normal niceness."""
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns), **(app_env or {})}
     return {
         "proxy_location": "HeadOnly",
         "applications": [
             {
-                "name": "summit",
+                "name": name,
                 "route_prefix": "/",
-                "import_path": "app.build:build_app",
-                "runtime_env": {
-                    "env_vars": {
-                        "RAY_AUTH_MODE": "disabled",
-                        "RAY_worker_niceness": "0",
-                        **engine_env(ns),
-                        **(app_env or {}),
-                    }
-                },
-                "args": {"models": models, **({"monitoring": monitoring} if monitoring else {})},
+                "import_path": import_path,
+                "runtime_env": {"env_vars": env},
+                "args": args,
             }
         ],
     }
@@ -383,20 +389,9 @@ def bench_rayllm(
     }
     if ns.accelerator == "cpu":
         llm_config["accelerator_config"] = {"kind": "cpu"}
-    config = {
-        "proxy_location": "HeadOnly",
-        "applications": [
-            {
-                "name": "rayllm",
-                "route_prefix": "/",
-                "import_path": "ray.serve.llm:build_openai_app",
-                "runtime_env": {
-                    "env_vars": {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0", **engine_env(ns)}
-                },
-                "args": {"llm_configs": [llm_config]},
-            }
-        ],
-    }
+    config = serve_app_config(
+        ns, {"llm_configs": [llm_config]}, name="rayllm", import_path="ray.serve.llm:build_openai_app"
+    )
     path = os.pathsep.join(x for x in [str(RAYLLM_SITE), os.environ.get("PYTHONPATH", "")] if x)
     env = {**engine_env(ns), "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "PYTHONPATH": path}
     return serve_peer(ns, config, env, haproxy=True)
