@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
@@ -60,6 +61,20 @@ async def until_disconnect(receive) -> None:
     """Return once the ASGI client has gone (`http.disconnect`)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_client_leaves(work: Awaitable, receive) -> asyncio.Future | None:
+    """`work` run to its end (its task, done), or cancelled when the ASGI client leaves first (None); cancelled with
+    the caller."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+    return task if task.done() and not task.cancelled() else None
 
 
 async def relay(stream, name: str, receive, send) -> None:

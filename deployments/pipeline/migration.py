@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from deployments.http.protocol import REQUEST_ID_HEADER, HTTPRequest
-from deployments.http.relay import until_disconnect
+from deployments.http.relay import unless_client_leaves
 from deployments.pipeline.prefill import PREFILL_PARAMS
 from deployments.pipeline.resumable import CHAT, COMPLETIONS, RESUME_TIMEOUT_S, Resumable
 
@@ -123,7 +123,7 @@ async def resume_or_fail(
     async def send(chunk: bytes) -> None:
         await out(chunk, True)
 
-    task = await _unless_client_leaves(resume.resume(forward, send), receive)
+    task = await unless_client_leaves(resume.resume(forward, send), receive)
     if task is None:
         logger.info("request %s cancelled by its caller while being resumed", rid)
         return "client_gone"
@@ -248,7 +248,7 @@ async def move_or_fail(
         )
         return kv, await resume.resume(forward, send)
 
-    task = await _unless_client_leaves(go_on(), receive)
+    task = await unless_client_leaves(go_on(), receive)
     if task is None:
         logger.info("request %s cancelled by its caller while being moved", rid)
         return "client_gone"
@@ -260,19 +260,6 @@ async def move_or_fail(
     logger.warning("request %s: no replica took the moved stream within %.0f s", rid, RESUME_TIMEOUT_S)
     await out(resume.error_event(), False)
     return "failed"
-
-
-async def _unless_client_leaves(work: Awaitable, receive) -> asyncio.Future | None:
-    """`work` run to its end (its task, done), or cancelled when the ASGI client leaves first (None)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(until_disconnect(receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, gone):
-            if not t.done():
-                t.cancel()
-    return task if task.done() and not task.cancelled() else None
 
 
 async def _soon(predicate: Callable[[], bool], within_s: float) -> bool:

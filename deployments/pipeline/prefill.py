@@ -25,7 +25,7 @@ from typing import Any
 
 from deployments.http.errors import OpenAIError
 from deployments.http.protocol import HOP_HEADERS, REQUEST_ID_HEADER, HTTPRequest, without
-from deployments.http.relay import first_response, rest_of_body, until_disconnect
+from deployments.http.relay import first_response, rest_of_body, unless_client_leaves
 from deployments.pipeline.context import Answered, RequestContext
 
 logger = logging.getLogger("ray.serve")
@@ -94,18 +94,13 @@ class Disaggregated:
             start = await first_response(stream)
             return start.status, await rest_of_body(stream)
 
-        task, watcher = asyncio.create_task(call()), asyncio.create_task(until_disconnect(receive))
         try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            task = await unless_client_leaves(call(), receive)
         except asyncio.CancelledError:  # the server cancelled this request (the client's connection closed)
-            task.cancel()
             stream.cancel()  # the prefill engine aborts the request
             logger.info("request cancelled by its caller during its prefill: aborted there")
             raise
-        finally:
-            watcher.cancel()
-        if task not in done:
-            task.cancel()
+        if task is None:
             stream.cancel()  # the prefill engine aborts the request
             raise ClientGone()
         try:
