@@ -93,9 +93,10 @@ class LocalCluster:
     def base_url(self) -> str:
         return f"http://{self.node_ip}:{self.http_port}"
 
-    def start(self, timeout_s: float = 300, attempts: int = 3) -> LocalCluster:
+    def start(self, timeout_s: float = 300, attempts: int = 6) -> LocalCluster:
         """Start the head node; a head that dies while it starts (a loaded 2-core box: its raylet gave up on its GCS
-        or agent once) is started again, on fresh ports, up to `attempts` times."""
+        or agent once; a box at half speed saw the head exit 3 times in a row, its log not kept)
+        is started again, on fresh ports, up to `attempts` times."""
         for attempt in range(attempts):
             try:
                 self._launch(timeout_s)
@@ -391,7 +392,9 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise ClusterDied(f"ray start exited with {self.proc.returncode}; see {self.temp_dir}/ray-start.log")
+                log = self.temp_dir / "ray-start.log"  # the temp dir goes with the cluster: say how it ended
+                said = log.read_text(errors="replace")[-1500:] if log.exists() else "(no log)"
+                raise ClusterDied(f"ray start exited with {self.proc.returncode}; {log} ends:\n{said}")
             if ready():
                 return
             time.sleep(1)
