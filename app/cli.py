@@ -33,9 +33,16 @@ def _make_model_config(ns: argparse.Namespace) -> int:
 
 
 def _wait_ready(ns: argparse.Namespace) -> int:
-    from app.clusters.ready import base_url, wait_and_say
+    from app.clusters.ready import app_names, base_url, dashboard_address, wait_and_say, write_report
+    from app.clusters.serve_status import Dashboard
 
-    return 0 if wait_and_say(base_url(ns.config), ns.timeout, while_pid=ns.while_pid) else 1
+    board = Dashboard(dashboard_address(ns.address))
+    outcome = wait_and_say(
+        base_url(ns.config), ns.timeout, while_pid=ns.while_pid, dashboard=lambda: board, names=app_names(ns.config)
+    )
+    if ns.report:
+        write_report(ns.report, outcome)
+    return 0 if outcome.state == "ready" else 1
 
 
 def _serve_local(ns: argparse.Namespace) -> int:
@@ -275,6 +282,13 @@ def _add_cluster_commands(sub) -> None:
     p.add_argument("config", help="the Serve YAML being served (its http_options give the address)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds")
     p.add_argument("--while-pid", type=int, default=None, help="give up when this process (e.g. `serve run`) exits")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="the Ray dashboard `serve deploy` used, whose Serve status says why a start failed (default: "
+        "RAY_DASHBOARD_ADDRESS, else http://127.0.0.1:8265)",
+    )
+    p.add_argument("--report", default=None, help="also write how the wait ended here (JSON: state, reason, fix, log)")
     p.set_defaults(func=_wait_ready)
 
     p = sub.add_parser(
@@ -351,32 +365,18 @@ def _sbatch(ns: argparse.Namespace) -> int:
 
 
 def _job_env(ns: argparse.Namespace) -> int:
-    import shlex
     from pathlib import Path
 
-    from app.clusters.job_env import job_drain_config, job_env, job_serve_config, yaml_http_options
+    from app.clusters.job_env import exports, job_exports
 
-    env = job_env(Path(ns.state_dir))
-    job_config = job_serve_config(Path(ns.config), int(env["SUMMIT_HTTP_PORT"]), Path(ns.config_out))
-    env["SUMMIT_JOB_CONFIG"] = str(job_config)
-    env["SUMMIT_HTTP_HOST"] = str((yaml_http_options(job_config)).get("host", "127.0.0.1"))
-    env["SUMMIT_DRAIN_CONFIG"] = str(job_drain_config(job_config))
-    for key, value in env.items():
-        print(f"export {key}={shlex.quote(value)}")
+    print(exports(job_exports(Path(ns.state_dir), Path(ns.config), Path(ns.config_out))))
     return 0
 
 
 def _direct_path_env(ns: argparse.Namespace) -> int:
-    import shlex
-    import shutil
+    from app.clusters.job_env import direct_path_exports, exports
 
-    from app.build.options import DIRECT_PATH_ENV
-
-    env = dict(DIRECT_PATH_ENV)
-    if binary := shutil.which("summit-haproxy"):
-        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = binary
-    for key, value in env.items():
-        print(f"export {key}={shlex.quote(value)}")
+    print(exports(direct_path_exports()))
     return 0
 
 

@@ -108,6 +108,7 @@ def llm_deployment_options(model: ModelConfig) -> dict[str, Any]:
         "health_check_period_s": d.health_check_period_s,
         "health_check_timeout_s": d.health_check_timeout_s,
         "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
+        "max_constructor_retry_count": d.max_start_attempts,
         **replica_resources(model),
     }
     autoscaling = model.serve_autoscaling_config()

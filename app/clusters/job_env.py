@@ -191,3 +191,29 @@ def job_drain_config(job_config: Path) -> Path:
     out = job_config.with_name(f"{job_config.stem}-drain.yaml")
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
+
+
+def job_exports(state_dir: Path, config: Path, config_out: Path) -> dict[str, str]:
+    """`summit job-env`: the job's own ports and files (job_env), its copy of the Serve YAML on its HTTP port, the
+    host that copy binds and its drain config."""
+    env = job_env(state_dir)
+    job_config = job_serve_config(config, int(env["SUMMIT_HTTP_PORT"]), config_out)
+    env["SUMMIT_JOB_CONFIG"] = str(job_config)
+    env["SUMMIT_HTTP_HOST"] = str((yaml_http_options(job_config)).get("host", "127.0.0.1"))
+    env["SUMMIT_DRAIN_CONFIG"] = str(job_drain_config(job_config))
+    return env
+
+
+def direct_path_exports() -> dict[str, str]:
+    """`summit direct-path-env`: the direct path's environment, with Summit's HAProxy wrapper where installed."""
+    env = dict(DIRECT_PATH_ENV)
+    if binary := shutil.which("summit-haproxy"):
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = binary
+    return env
+
+
+def exports(env: dict[str, str]) -> str:
+    """`export KEY=VALUE` lines a shell can eval."""
+    import shlex
+
+    return "\n".join(f"export {key}={shlex.quote(value)}" for key, value in env.items())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,13 +27,15 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 import psutil
 
 from app.clusters.guard import stop_processes
-from app.clusters.ready import base_url, wait_and_say
+from app.clusters.ready import Outcome, app_names, base_url, wait_and_say
+from app.clusters.serve_status import Dashboard
 
 _TCP_ESTABLISHED = "01"
 
@@ -130,6 +133,9 @@ def in_flight(port: int, started: float) -> tuple[int, str]:
 
 # Ray's own start gives its node 30 s to register with the GCS (ray/_private/node.py): on a loaded machine it may not
 _RAY_NODE_TIMED_OUT = b"The current node timed out during startup"
+# ray.init's line for a local instance: "Started a local Ray instance. View the dashboard at http://127.0.0.1:8265"
+_DASHBOARD_AT = re.compile(rb"View the dashboard at (https?://[\w.:\[\]-]+)")
+_ANSI = re.compile(rb"\x1b\[[0-9;]*m")
 
 
 def own_haproxy_ports() -> Path | None:
@@ -148,6 +154,13 @@ def own_haproxy_ports() -> Path | None:
 def serve_local(config: str, timeout_s: float = 1800) -> int:
     url = base_url(config)
     port = urlparse(url).port or 8000
+    if taken := port_holder(urlparse(url).hostname or "127.0.0.1", port):
+        print(
+            f"summit: port {port} (http_options.port of {config}) is taken by {taken}: stop it, or set another "
+            "http_options.port",
+            file=sys.stderr,
+        )
+        return 1
     own = own_haproxy_ports()
     try:
         return _serve_local(config, url, port, timeout_s)
@@ -162,23 +175,31 @@ def _serve_local(config: str, url: str, port: int, timeout_s: float) -> int:
     signal.signal(signal.SIGINT, lambda *_: interrupts.append(time.monotonic()))
     signal.signal(signal.SIGTERM, lambda *_: interrupts.append(time.monotonic()))
     signal.signal(signal.SIGHUP, lambda *_: interrupts.append(time.monotonic()))  # the terminal closed
+    names = app_names(config)
     for attempt in (1, 2):
-        server, ray_timed_out = _serve_run(config)
+        server, said = _serve_run(config)
         known: dict[int, psutil.Process] = {}  # the server's processes seen so far (Ray's daemons outlive their parent)
         stopping = lambda s=server: bool(interrupts) or s.poll() is not None  # noqa: E731
-        threading.Thread(target=wait_and_say, args=(url, timeout_s, server.pid, stopping), daemon=True).start()
-        _run_until_stopped(server, known, interrupts, port, started)
+        outcome: list[Outcome] = []  # how the wait for the engines ended: a failure or a timeout stops the server
+
+        def wait(s=server, said=said) -> None:
+            board = lambda: Dashboard(said.dashboard) if said.dashboard else None  # noqa: E731
+            outcome.append(wait_and_say(url, timeout_s, s.pid, stopping, dashboard=board, names=names))
+
+        threading.Thread(target=wait, daemon=True).start()
+        _run_until_stopped(server, known, interrupts, port, started, outcome)
         known.update({p.pid: p for p in process_tree(server.pid)})
         stop_processes([p for p in known.values() if p.is_running()])
-        if attempt == 1 and not interrupts and server.returncode and ray_timed_out.wait(2):
+        if attempt == 1 and not interrupts and server.returncode and said.ray_timed_out.wait(2):
             print("summit: Ray's node did not register in time (a busy machine?); starting again", file=sys.stderr)
             continue
         break
-    if not interrupts and server.returncode:
+    failed = not interrupts and (server.returncode or (outcome and outcome[0].state in ("failed", "timeout")))
+    if failed:
         kept = keep_session_logs(started, Path("logs") / time.strftime("serve-local-%Y%m%d-%H%M%S"))
         if kept is not None:
             print(f"summit: the server failed; its Ray logs (replicas, engines, controller): {kept}", file=sys.stderr)
-    return 0 if interrupts else (server.returncode or 0)
+    return 0 if interrupts else (server.returncode or (1 if failed else 0))
 
 
 def keep_session_logs(started: float, dest: Path) -> Path | None:
@@ -195,18 +216,64 @@ def keep_session_logs(started: float, dest: Path) -> Path | None:
     return dest.resolve()
 
 
-def _serve_run(config: str) -> tuple[subprocess.Popen, threading.Event]:
-    """`serve run` of the YAML on a fresh local Ray instance, its stderr passed on; the event: Ray's node timed out."""
+@dataclass
+class _Said:
+    """What `serve run` said on its way that this process acts on."""
+
+    ray_timed_out: threading.Event = field(default_factory=threading.Event)  # Ray's node missed its 30 s
+    dashboard: str | None = None  # the local Ray instance's dashboard ("View the dashboard at http://...")
+
+
+def serve_command() -> str:
+    """Serve's CLI beside this Python (a venv's bin, used without activating it), else the one on PATH."""
+    beside = Path(sys.executable).with_name("serve")
+    return str(beside) if beside.exists() else "serve"
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """Who listens on `port` already ("PID 123 (python3 -m ...)", or "another process" where it cannot be told), or
+    None when the port is free to bind."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return None
+        except OSError:
+            pass
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                cmd = " ".join(psutil.Process(conn.pid).cmdline()[:4])
+                return f"PID {conn.pid} ({cmd})"
+    except (psutil.Error, OSError):
+        pass
+    return "another process"
+
+
+def _serve_run(config: str) -> tuple[subprocess.Popen, _Said]:
+    """`serve run` of the YAML on a fresh local Ray instance, its stderr passed on (and read for what `_Said` keeps)."""
     # under a guard (app/clusters/guard.py): nothing it starts outlives this process, whatever ends it
-    guarded = [sys.executable, "-m", "app.clusters.guard", str(os.getpid()), "--", "serve", "run", "-a", "local"]
+    guarded = [
+        sys.executable,
+        "-m",
+        "app.clusters.guard",
+        str(os.getpid()),
+        "--",
+        serve_command(),
+        "run",
+        "-a",
+        "local",
+    ]
     server = subprocess.Popen([*guarded, config], start_new_session=True, stderr=subprocess.PIPE)
-    timed_out = threading.Event()
+    said = _Said()
 
     def pass_on() -> None:
         out = getattr(sys.stderr, "buffer", None)
         for line in server.stderr:
             if _RAY_NODE_TIMED_OUT in line:
-                timed_out.set()
+                said.ray_timed_out.set()
+            if said.dashboard is None and (found := _DASHBOARD_AT.search(_ANSI.sub(b"", line))):
+                said.dashboard = found.group(1).decode()
             if out is not None:
                 try:
                     out.write(line)
@@ -215,15 +282,25 @@ def _serve_run(config: str) -> tuple[subprocess.Popen, threading.Event]:
                     out = None  # whoever read our stderr is gone: keep reading for the message above
 
     threading.Thread(target=pass_on, daemon=True).start()
-    return server, timed_out
+    return server, said
 
 
 def _run_until_stopped(
-    server: subprocess.Popen, known: dict[int, psutil.Process], interrupts: list[float], port: int, started: float
+    server: subprocess.Popen,
+    known: dict[int, psutil.Process],
+    interrupts: list[float],
+    port: int,
+    started: float,
+    outcome: list,
 ) -> None:
-    """Until the server exits, or Ctrl-C: at once with no request in flight, else once they ended (or Ctrl-C again)."""
+    """Until the server exits, its start fails or times out (`outcome`), or Ctrl-C: at once with no request in flight,
+    else once they ended (or Ctrl-C again)."""
     draining, looked = False, 0.0
     while server.poll() is None:
+        if outcome and outcome[0].state in ("failed", "timeout"):
+            known.update({p.pid: p for p in process_tree(server.pid)})
+            print("summit: stopping the server (it cannot serve)", file=sys.stderr, flush=True)
+            return
         if time.monotonic() - looked > 2:
             known.update({p.pid: p for p in process_tree(server.pid)})
             looked = time.monotonic()

@@ -29,6 +29,7 @@ JOB_ID=${SLURM_JOB_ID:-local}
 LOG_DIR=${LOG_DIR:-$PWD/logs/summit-$JOB_ID}
 STATE_DIR=${STATE_DIR:-/tmp/summit-$JOB_ID}
 ENDPOINT_FILE=$LOG_DIR/endpoint.json
+START_REPORT=$LOG_DIR/start.json            # how `summit wait-ready` ended (merged into endpoint.json on a failure)
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
 PIDS=()
@@ -176,9 +177,12 @@ live_replicas() {
 }
 
 # endpoint STATE [DETAIL]: write endpoint.json (atomically) for whoever waits for the job: a notebook, a script.
+# With REPORT=FILE (summit wait-ready's --report), its reason, fix and the replica's log go in too: the log's path on
+# its node, and where the job keeps a copy (LOG_DIR/ray-logs/<node>/, written when the job ends).
 endpoint() {
   [ "$DRY_RUN" = 1 ] && { echo "+ endpoint.json: $1"; return 0; }
-  STATE=$1 DETAIL=${2:-} LOST_NODES="${LOST[*]:-}" HEAD_IP=$HEAD_IP python3 - "$ENDPOINT_FILE" <<'PY'
+  STATE=$1 DETAIL=${2:-} LOST_NODES="${LOST[*]:-}" HEAD_IP=$HEAD_IP NODE_ADDRS="$(node_addresses)" \
+    python3 - "$ENDPOINT_FILE" <<'PY'
 import json, os, sys
 e = os.environ
 port, head = e["SUMMIT_HTTP_PORT"], e["SUMMIT_HEAD"]
@@ -196,11 +200,25 @@ doc = {"job_id": e["JOB_ID"], "state": e["STATE"], "detail": e["DETAIL"] or None
 for key in ("BATCH_INPUT", "BATCH_OUTPUT"):
     if e.get(key):
         doc[key.lower()] = e[key]
+if e.get("REPORT") and os.path.exists(e["REPORT"]):
+    report = json.load(open(e["REPORT"]))
+    doc.update({k: report[k] for k in ("reason", "fix", "kind", "model", "last_logged") if report.get(k)})
+    if report.get("log"):  # "NODE_IP:PATH, PATH" on the replica's node; the job copies each node's logs when it ends
+        ip, _, paths = report["log"].partition(":")
+        node = dict(pair.split("=", 1) for pair in e["NODE_ADDRS"].split()).get(ip, ip)
+        doc["log"] = report["log"]
+        doc["log_kept"] = [f"{e['LOG_DIR']}/ray-logs/{node}/{os.path.basename(p.strip())}" for p in paths.split(",")]
 tmp = sys.argv[1] + ".tmp"
 with open(tmp, "w") as f:
     json.dump(doc, f, indent=1)
 os.replace(tmp, sys.argv[1])
 PY
+}
+
+# "node=address ..." of the allocation's nodes (endpoint.json names a replica's node by its address's name).
+node_addresses() {
+  local node
+  for node in "${NODE_LIST[@]}"; do printf '%s=%s ' "$node" "$(node_address "$node")"; done
 }
 
 # The token every Ray process and `serve deploy` use; made (private, not printed) when the default file is missing.
@@ -337,8 +355,12 @@ main() {
     echo "+ summit wait-ready $SUMMIT_JOB_CONFIG --timeout $READY_WAIT_S"
     return 0
   fi
-  summit wait-ready "$SUMMIT_JOB_CONFIG" --timeout "$READY_WAIT_S" || {
-    endpoint failed "not answering after ${READY_WAIT_S}s: serve status --address http://127.0.0.1:$DASHBOARD_PORT"
+  # ends at once when a replica's engine cannot start (the engine's own words in $START_REPORT, then endpoint.json),
+  # else when the app answers or after READY_WAIT_S; a failed start ends the job, and SLURM gets the GPUs back
+  summit wait-ready "$SUMMIT_JOB_CONFIG" --timeout "$READY_WAIT_S" --address "http://127.0.0.1:$DASHBOARD_PORT" \
+    --report "$START_REPORT" || {
+    say "the application cannot serve (above; $ENDPOINT_FILE has the reason): the job ends"
+    REPORT=$START_REPORT endpoint failed "the application did not start"
     exit 1
   }
   endpoint ready

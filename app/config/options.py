@@ -70,6 +70,15 @@ class DeploymentOptions(Strict):
     graceful_shutdown_timeout_s: float = Field(
         20.0, ge=0, description="Time given to running requests when a replica stops."
     )
+    max_start_attempts: int = Field(
+        3,
+        ge=1,
+        description="Replica starts that may fail (across the model's replicas) before Serve fails the application "
+        "instead of starting another (Serve's max_constructor_retry_count; it applies until a replica has started). "
+        "Summit's control plane (`summit wait-ready`, `serve-local`, the SLURM job) does not wait for them when the "
+        "engine's own error says another attempt would fail the same way (a missing checkpoint, a KV cache too small "
+        "for max_model_len): it stops at the first, with that error.",
+    )
     sleep: SleepOptions | None = Field(
         None,
         description="vLLM sleep mode: the engine sleeps when idle (after_idle_s) or while a model sharing its GPU "

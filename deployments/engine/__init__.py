@@ -13,6 +13,8 @@ modules. Each module imports vLLM inside its functions, so importing the package
   lora         loading and unloading LoRA adapters in a running engine
   platform     the `vllm.platform_plugins` entry point: vLLM's CPU platform on Ray's executor (test clusters)
   serving      one request through vLLM's serving objects in this process, without HTTP (batch lines); stored responses
+  failure      why an engine could not start, in the engine's own words (the control plane reads it back)
+  versions     the vLLM versions Summit supports and was tested on; the installed one checked at each start
 """
 
 # vLLM's default batch size: the schema holds it (the schema imports no engine)
@@ -33,6 +35,7 @@ from deployments.engine.args import (
     vllm_version,
 )
 from deployments.engine.detokenizer import logger, output_detokenizer
+from deployments.engine.failure import EngineStartFailed, OutputMark, StartFailure, start_failure
 from deployments.engine.kv import (
     CONNECTOR_ALIASES,
     connector_engine_kwargs,
@@ -65,6 +68,7 @@ from deployments.engine.state import (
     sleep_engine,
     wake_engine,
 )
+from deployments.engine.versions import check_installed as check_vllm_version
 
 __all__ = [
     "CONNECTOR_ALIASES",
@@ -74,11 +78,15 @@ __all__ = [
     "NO_NVLINK_MULTICAST_ENV",
     "RESERVED_ENGINE_KEYS",
     "EngineApp",
+    "EngineStartFailed",
+    "OutputMark",
+    "StartFailure",
     "adapters_in_engine",
     "answer_in_process",
     "background_response",
     "check_engine_health",
     "check_gpu_engine_kwargs",
+    "check_vllm_version",
     "connector_engine_kwargs",
     "cpu_ray_platform",
     "disaggregation_problem",
@@ -108,6 +116,7 @@ __all__ = [
     "preload_client",
     "serve_namespace",
     "shutdown_engine",
+    "start_failure",
     "sleep_engine",
     "start_engine_app",
     "start_engine_client",

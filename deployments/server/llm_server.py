@@ -39,6 +39,7 @@ from deployments.server.startup import (
     replica_full_id,
     replica_id,
     replica_rank,
+    said_why,
     serve_log_file_kept,
     warm_up,
 )
@@ -119,7 +120,9 @@ class LLMServer:
         """vLLM's engine and OpenAI app for `model`, warmed up: the replica is ready once its engine answered.
         `kv_sockets`: where the engine publishes its KV events."""
         warmup = self._config.monitoring.warmup
-        with serve_log_file_kept(), LoadProgress(self._metrics, model.name):
+        output = engine.OutputMark()  # where the engine's processes write: the root cause of a failure is there
+        with serve_log_file_kept(), LoadProgress(self._metrics, model.name), said_why(model.name, output):
+            engine.check_vllm_version(model.name)
             kwargs = engine.engine_args(model, kv_sockets)
             args = engine.serve_namespace(source, model.name, kwargs, model.frontend_kwargs)
             logger.info("Starting vLLM %s for %s from %s", engine.vllm_version(), model.name, source)

@@ -21,6 +21,32 @@ logger = logging.getLogger("ray.serve")
 
 
 @contextlib.contextmanager
+def said_why(model: str, output):
+    """An engine start that fails raises EngineStartFailed, its message the root cause in the engine's own words (read
+    from `output`, an `engine.OutputMark`) and the fix: Serve's status carries it to `serve status`, the dashboard and
+    Summit's control plane (`summit wait-ready`, `serve-local`, the SLURM job), which stop at once on a failure that
+    another attempt would repeat."""
+    from deployments import engine
+
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 — any start failure is reported, in the engine's words
+        where = f"{_node_ip()}:{output.where}" if output.where else None
+        failure = engine.start_failure(model, e, output.lines, where)
+        logger.error("%s", failure.message())
+        raise engine.EngineStartFailed(failure) from e
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (unit tests)
+        return "localhost"
+
+
+@contextlib.contextmanager
 def serve_log_file_kept():
     """Keep Serve's replica log file attached while vLLM starts.
 

@@ -16,6 +16,7 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -134,9 +135,9 @@ def port_free(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def terminal(argv: list[str], env: dict[str, str], temp: Path):
+def terminal(argv: list[str], env: dict[str, str], temp: Path, cwd: Path = REPO):
     """`argv` in a terminal; whatever a failed test left running is killed after, and the temp dir removed."""
-    term = Terminal(argv, env, REPO)
+    term = Terminal(argv, env, cwd)
     try:
         yield term
     finally:
@@ -238,3 +239,53 @@ def test_nothing_outlives_a_killed_serve_command(tiny_model_dir):
         gone = wait_for(lambda: not processes_of(temp) and port_free(port), 30, 0.2)
         left = [(p.pid, p.name()) for p in processes_of(temp)]
         assert gone, f"left 30 s after the serving command was killed: {left}; port {port} free: {port_free(port)}"
+
+
+def test_a_taken_port_is_said_at_once_naming_who_holds_it(tiny_model_dir):
+    """README command 1 whose HTTP port another process holds: it ends at once, before starting Ray, naming the port,
+    the YAML key and the holder's PID (without the check, Serve's HAProxy fails a minute later, and a readiness
+    check meanwhile gets its answer from the other server)."""
+    temp = Path(tempfile.mkdtemp(prefix="summit-sp-", dir="/tmp"))
+    env, config, port = server_env(tiny_model_dir, temp)
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        served = subprocess.run(
+            [sys.executable, "-m", "app.cli", "serve-local", str(config)],
+            env=env,
+            cwd=temp,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        holder.close()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert served.returncode == 1, served.stderr[-2000:]
+    said = served.stderr
+    assert f"port {port} (http_options.port of {config}) is taken by PID {os.getpid()}" in said, said[-2000:]
+    assert "Started a local Ray instance" not in said, said[-2000:]
+
+
+def test_an_engine_that_cannot_start_ends_the_serve_command_with_its_reason(tiny_model_dir):
+    """README command 1 serving a checkpoint whose architecture the installed vLLM does not serve: the command ends by
+    itself (exit 1, long before its own 600 s wait) with vLLM's words, the fix, and the kept Ray logs, and leaves no
+    process and no port behind (without the failure check it ran on until killed)."""
+    temp = Path(tempfile.mkdtemp(prefix="summit-sf-", dir="/tmp"))
+    env, config, port = server_env(tiny_model_dir, temp)
+    model = temp / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text((model / "config.json").read_text().replace("LlamaForCausalLM", "NoSuchLM"))
+    command = [sys.executable, "-m", "app.cli", "serve-local", str(config), "--timeout", "600"]
+    with terminal(command, {**env, "SUMMIT_TINY_MODEL": str(model)}, temp, cwd=temp) as term:
+        code = term.wait(300)
+        assert code == 1, term.tail()
+        assert "summit: failed after" in term.output, term.tail()
+        assert "Model architectures ['NoSuchLM'] are not supported" in term.output, term.tail()
+        assert "fix: the installed vLLM does not serve this model's architecture" in term.output, term.tail()
+        assert "its Ray logs (replicas, engines, controller): " + str(temp / "logs") in term.output, term.tail()
+        assert wait_for(lambda: not processes_of(temp) and port_free(port), 30, 0.2), [
+            (p.pid, p.name()) for p in processes_of(temp)
+        ]

@@ -95,7 +95,8 @@ def _serve_local_with_fake(tmp_path, monkeypatch, times_out: bool) -> tuple[int,
     (bin_dir / "serve").write_text(FAKE_SERVE)
     (bin_dir / "serve").chmod(0o755)
     calls = tmp_path / "calls"
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(local_serve, "serve_command", lambda: str(bin_dir / "serve"))
+    monkeypatch.chdir(tmp_path)  # a failed server's logs are kept under ./logs
     monkeypatch.setenv("CALLS", str(calls))
     monkeypatch.setenv("RAY_TIMES_OUT", "1" if times_out else "")
     config = tmp_path / "c.yaml"

@@ -77,17 +77,17 @@ def test_ready_only_when_every_engine_answers(ingress):
 
 def test_wait_ready_returns_once_the_engines_answer(ingress):
     threading.Timer(0.5, lambda: setattr(ingress, "models", [{"id": "tiny", "max_model_len": 2048}])).start()
-    assert wait_ready(ingress.url, timeout_s=10, interval_s=0.1).models == ["tiny"]
+    assert wait_ready(ingress.url, timeout_s=10, interval_s=0.1).ready.models == ["tiny"]
 
 
 def test_wait_ready_gives_up_on_timeout_and_when_the_server_process_exits(ingress):
-    assert wait_ready(ingress.url, timeout_s=0.5, interval_s=0.1) is None
+    assert wait_ready(ingress.url, timeout_s=0.5, interval_s=0.1).state == "timeout"
     assert ingress.asks >= 1  # it asked until its deadline
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     ingress.asks = 0
     # an hour's timeout: it returns after its first ask, because the server process is gone
-    assert wait_ready(ingress.url, timeout_s=3600, interval_s=0.1, while_pid=gone.pid) is None
+    assert wait_ready(ingress.url, timeout_s=3600, interval_s=0.1, while_pid=gone.pid).state == "gone"
     assert ingress.asks == 1
 
 
