@@ -5,7 +5,6 @@ Serve's HAProxy has."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
