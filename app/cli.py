@@ -28,7 +28,7 @@ def _make_tiny_lora(ns: argparse.Namespace) -> int:
 def _make_model_config(ns: argparse.Namespace) -> int:
     from app.clusters.tiny_model import make_model_config
 
-    print(make_model_config(ns.preset, ns.dir, fp8=ns.fp8))
+    print(make_model_config(ns.preset, ns.dir, fp8=ns.fp8, layers=ns.layers))
     return 0
 
 
@@ -51,30 +51,16 @@ def _serve_local(ns: argparse.Namespace) -> int:
     return serve_local(ns.config, ns.timeout)
 
 
-def _load_shape(model: str):
-    """A preset name, a config.json file, or a checkpoint directory holding one."""
-    import json
-    from pathlib import Path
-
-    from app.plan.planner import load_shape
-
-    path = Path(model).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
-        return load_shape(path.parent.name if path.name == "config.json" else path.stem, json.loads(path.read_text()))
-    if "/" in model or model.endswith(".json"):
-        raise ValueError(f"--model {model}: no such config.json")
-    return load_shape(model)
-
-
 def _plan(ns: argparse.Namespace) -> int:
     from app.plan import planner
+    from app.plan.checkpoint import load_shape_of
+    from app.plan.plan_text import format_plan
 
     try:
-        shape = _load_shape(ns.model)
+        shape = load_shape_of(ns.model)
         budget = planner.Budget(ns.gpu, ns.gpu_memory_utilization, ns.max_num_batched_tokens, ns.max_num_seqs)
         tokens = planner.parse_tokens(ns.context)
+        ns.dtype = ns.dtype or shape.checkpoint_dtype or "bf16"  # an FP8 checkpoint's preset sizes fp8 weights
         if ns.throughput:
             from app.plan import throughput
 
@@ -85,7 +71,7 @@ def _plan(ns: argparse.Namespace) -> int:
             )
             print(throughput.format_comparison(shape, ns.gpu, gpus, work, options))
             return 0 if options else 1
-        print(planner.format_plan(planner.plan(shape, ns.gpu, tokens, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget)))
+        print(format_plan(planner.plan(shape, ns.gpu, tokens, ns.dtype, ns.kv_dtype, ns.gpus_per_node, budget)))
     except (KeyError, ValueError) as e:
         print(f"summit plan: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
@@ -108,7 +94,7 @@ def _validate(ns: argparse.Namespace) -> int:
     except (ValidationError, ValueError, OSError) as e:
         print(f"summit validate: {ns.file}: {e}", file=sys.stderr)
         return 1
-    for line in report.lines:
+    for line in report.lines + [f"note: {note}" for note in report.notes]:
         print(line)
     for problem in report.problems:
         print(f"error: {problem}", file=sys.stderr)
@@ -152,21 +138,8 @@ def _kuberay(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _add_sizing_commands(sub) -> None:
-    from app.plan.planner import GPUS_MIB, KV_BYTES, WEIGHT_BYTES
-
-    p = sub.add_parser("plan", help="weights + KV cache → GPUs, suggested TP / PP / nodes")
-    p.add_argument(
-        "--model", required=True, help="preset (llama-3.1-8b|70b|405b, or 8b|70b|405b) or path to config.json"
-    )
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS_MIB), help="the GPU model (its memory)")
-    p.add_argument("--context", default="131072", help="tokens of one sequence: 131072, 128k (=128,000) or 128Ki")
-    p.add_argument("--dtype", default="bf16", choices=list(WEIGHT_BYTES), help="weights")
-    p.add_argument("--kv-dtype", default="bf16", choices=list(KV_BYTES), help="KV cache")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node (TP stays inside a node)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU's memory vLLM may use")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill chunk (activation headroom)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="batch size (sampler headroom)")
+def _add_throughput_options(p) -> None:
+    """`summit plan --throughput` and the workload it is estimated for."""
     p.add_argument(
         "--throughput",
         action="store_true",
@@ -182,6 +155,29 @@ def _add_sizing_commands(sub) -> None:
         default=0.0,
         help="--throughput: share of prompt tokens already in the prefix cache (shared system prompts, chat turns)",
     )
+
+
+def _add_sizing_commands(sub) -> None:
+    from app.plan.planner import GPUS_MIB, KV_BYTES, WEIGHT_BYTES
+
+    p = sub.add_parser("plan", help="weights + KV cache → GPUs, suggested TP / PP / nodes")
+    p.add_argument(
+        "--model", required=True, help="preset (llama-3.1-8b|70b|405b, or 8b|70b|405b) or path to config.json"
+    )
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS_MIB), help="the GPU model (its memory)")
+    p.add_argument("--context", default="131072", help="tokens of one sequence: 131072, 128k (=128,000) or 128Ki")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=list(WEIGHT_BYTES),
+        help="weights (default: what the checkpoint's quantization_config stores, else bf16)",
+    )
+    p.add_argument("--kv-dtype", default="bf16", choices=list(KV_BYTES), help="KV cache")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node (TP stays inside a node)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU's memory vLLM may use")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill chunk (activation headroom)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="batch size (sampler headroom)")
+    _add_throughput_options(p)
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("validate", help="refuse a Serve YAML whose models cannot fit the given GPUs and nodes")
@@ -270,10 +266,13 @@ def _add_model_commands(sub) -> None:
     p.add_argument("dir", help="where to write config.json and the tokenizer")
     p.add_argument(
         "--fp8",
-        action="store_true",
-        help="declare FP8 weights (an FP8 checkpoint's quantization_config: vLLM allocates them in FP8, as 405B on "
-        "four H200s needs)",
+        nargs="?",
+        const="fp8",
+        choices=["fp8", "fbgemm"],
+        help="declare FP8 weights (an FP8 checkpoint's quantization_config: vLLM allocates them in FP8): fp8 = every "
+        "linear layer; fbgemm = Meta's own FP8 checkpoints, exactly (the llama-3.1-405b-fp8 preset's default)",
     )
+    p.add_argument("--layers", type=int, default=None, help="fewer layers at full width (a depth-reduced model)")
     p.set_defaults(func=_make_model_config)
 
 

@@ -202,9 +202,10 @@ def hosts_problem(*tools: str) -> str | None:
 
 # The official client against a host's endpoint, run on that host's network: the models it lists and 8 tokens.
 OPENAI_CHECK = """
-import json, sys
+import json, os, sys
 import openai
-client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=120)
+client = openai.OpenAI(base_url=sys.argv[1], api_key=os.environ.get("OPENAI_API_KEY") or "unused", max_retries=0,
+                       timeout=120)
 models = [m.id for m in client.models.list().data]
 r = client.completions.create(model=models[0], prompt="Over the ridge", max_tokens=8, temperature=0,
                               extra_body={"ignore_eos": True})

@@ -158,9 +158,14 @@ def job_env(state_dir: Path) -> dict[str, str]:
     }
 
 
-def job_serve_config(config: Path, http_port: int, out: Path) -> Path:
+BUILDER = "app.build:build_app"
+
+
+def job_serve_config(config: Path, http_port: int, out: Path, key_file: Path | None = None) -> Path:
     """The Serve YAML with this job's HTTP port (on loopback unless the YAML binds elsewhere deliberately), its
-    applications on the job's token auth (a YAML written for loopback development says `disabled`)."""
+    applications on the job's token auth (a YAML written for loopback development says `disabled`). With `key_file`,
+    Summit's applications without an `auth:` section of their own take their API keys from it (the job writes it):
+    loopback on a shared node is open to every user of that node."""
     import yaml
 
     data = yaml.safe_load(config.read_text())
@@ -168,8 +173,30 @@ def job_serve_config(config: Path, http_port: int, out: Path) -> Path:
     for app in data.get("applications") or []:
         env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
         env_vars["RAY_AUTH_MODE"] = "token"
+        args = app.get("args") or {}
+        if key_file is not None and app.get("import_path") == BUILDER and not args.get("auth"):
+            app["args"] = {**args, "auth": {"api_keys_file": str(key_file)}}
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
+
+
+def uses_key_file(job_config: Path, key_file: Path) -> bool:
+    import yaml
+
+    apps = (yaml.safe_load(job_config.read_text()) or {}).get("applications") or []
+    return any(((a.get("args") or {}).get("auth") or {}).get("api_keys_file") == str(key_file) for a in apps)
+
+
+def write_api_key(path: Path) -> Path:
+    """A new API key in a file only its owner reads (0600), one line."""
+    import secrets
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"sk-summit-{secrets.token_urlsafe(32)}\n")
+    os.chmod(path, 0o600)
+    return path
 
 
 def yaml_http_options(config: Path) -> dict:
@@ -195,9 +222,12 @@ def job_drain_config(job_config: Path) -> Path:
 
 def job_exports(state_dir: Path, config: Path, config_out: Path) -> dict[str, str]:
     """`summit job-env`: the job's own ports and files (job_env), its copy of the Serve YAML on its HTTP port, the
-    host that copy binds and its drain config."""
+    host that copy binds and its drain config; an API key beside that copy (`api_key`, 0600) unless every application
+    brings its own `auth:` (SUMMIT_API_KEY_FILE, empty then)."""
     env = job_env(state_dir)
-    job_config = job_serve_config(config, int(env["SUMMIT_HTTP_PORT"]), config_out)
+    key_file = config_out.parent / "api_key"
+    job_config = job_serve_config(config, int(env["SUMMIT_HTTP_PORT"]), config_out, key_file)
+    env["SUMMIT_API_KEY_FILE"] = str(write_api_key(key_file)) if uses_key_file(job_config, key_file) else ""
     env["SUMMIT_JOB_CONFIG"] = str(job_config)
     env["SUMMIT_HTTP_HOST"] = str((yaml_http_options(job_config)).get("host", "127.0.0.1"))
     env["SUMMIT_DRAIN_CONFIG"] = str(job_drain_config(job_config))

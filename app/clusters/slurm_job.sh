@@ -196,6 +196,9 @@ doc = {"job_id": e["JOB_ID"], "state": e["STATE"], "detail": e["DETAIL"] or None
        "host": head, "head": head, "port": int(port),
        "tunnel": f"ssh -N -L {port}:127.0.0.1:{port} {head}" if loopback else None,
        "dashboard_port": int(dash), "dashboard_tunnel": f"ssh -N -L {dash}:127.0.0.1:{dash} {head}",
+       # the API key clients send (Authorization: Bearer KEY, or OPENAI_API_KEY): a file only the job's user reads;
+       # null where the YAML has its own `auth:`
+       "api_key_file": e.get("SUMMIT_API_KEY_FILE") or None,
        "log_dir": e["LOG_DIR"], "lost_nodes": e["LOST_NODES"].split()}
 for key in ("BATCH_INPUT", "BATCH_OUTPUT"):
     if e.get(key):
@@ -213,6 +216,12 @@ with open(tmp, "w") as f:
     json.dump(doc, f, indent=1)
 os.replace(tmp, sys.argv[1])
 PY
+}
+
+# The job's API key (SUMMIT_API_KEY_FILE, written by `summit job-env` unless the YAML has its own `auth:`), else
+# whatever OPENAI_API_KEY the job was given.
+api_key() {
+  if [ -n "${SUMMIT_API_KEY_FILE:-}" ]; then head -n 1 "$SUMMIT_API_KEY_FILE"; else printf '%s' "${OPENAI_API_KEY:-}"; fi
 }
 
 # "node=address ..." of the allocation's nodes (endpoint.json names a replica's node by its address's name).
@@ -357,14 +366,14 @@ main() {
   fi
   # ends at once when a replica's engine cannot start (the engine's own words in $START_REPORT, then endpoint.json),
   # else when the app answers or after READY_WAIT_S; a failed start ends the job, and SLURM gets the GPUs back
-  summit wait-ready "$SUMMIT_JOB_CONFIG" --timeout "$READY_WAIT_S" --address "http://127.0.0.1:$DASHBOARD_PORT" \
-    --report "$START_REPORT" || {
+  OPENAI_API_KEY=$(api_key) summit wait-ready "$SUMMIT_JOB_CONFIG" --timeout "$READY_WAIT_S" \
+    --address "http://127.0.0.1:$DASHBOARD_PORT" --report "$START_REPORT" || {
     say "the application cannot serve (above; $ENDPOINT_FILE has the reason): the job ends"
     REPORT=$START_REPORT endpoint failed "the application did not start"
     exit 1
   }
   endpoint ready
-  say "ready: $ENDPOINT_FILE; from a login node: ssh -N -L $SUMMIT_HTTP_PORT:127.0.0.1:$SUMMIT_HTTP_PORT $SUMMIT_HEAD, then OPENAI_BASE_URL=http://127.0.0.1:$SUMMIT_HTTP_PORT/v1"
+  say "ready: $ENDPOINT_FILE; from a login node: ssh -N -L $SUMMIT_HTTP_PORT:127.0.0.1:$SUMMIT_HTTP_PORT $SUMMIT_HEAD, then OPENAI_BASE_URL=http://127.0.0.1:$SUMMIT_HTTP_PORT/v1${SUMMIT_API_KEY_FILE:+ OPENAI_API_KEY=\$(cat $SUMMIT_API_KEY_FILE)}"
   watch_steps
 }
 

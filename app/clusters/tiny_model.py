@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.config.presets import FP8_QUANTIZATION_CONFIG, get_preset
+from app.config.presets import FP8_QUANTIZATION_CONFIG, fbgemm_quantization_config, get_preset
 
 BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
@@ -233,15 +233,24 @@ def make_tiny_model(
     return out
 
 
-def make_model_config(preset: str, out_dir: str | Path, fp8: bool = False) -> Path:
-    """Write a real-shape config.json and a tokenizer whose vocabulary has the model's `vocab_size`; `fp8`: with the
-    quantization_config of an FP8 checkpoint (vLLM then allocates FP8 weights directly).
+def make_model_config(preset: str, out_dir: str | Path, fp8: str | None = None, layers: int | None = None) -> Path:
+    """Write a real-shape config.json and a tokenizer whose vocabulary has the model's `vocab_size`. `fp8`: with the
+    quantization_config of an FP8 checkpoint, so that vLLM allocates FP8 weights directly: "fp8" (every linear layer,
+    as vLLM's fp8 method writes it) or "fbgemm" (Meta's own FP8 checkpoints, exactly: attention and the first and
+    last layer's feed-forward stay bf16). `layers`: fewer layers at full width (a depth-reduced model: what one GPU
+    holds of a 405B), the quantization_config following the same pattern over them.
 
     For vLLM's `load_format: dummy`: no weights are written.
     """
     cfg = get_preset(preset)
-    if fp8:
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    if fp8 == "fbgemm" or (fp8 is None and "quantization_config" in cfg):
+        cfg["quantization_config"] = fbgemm_quantization_config(cfg["num_hidden_layers"])
+    elif fp8 == "fp8":
         cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    elif fp8 is not None:
+        raise ValueError(f"--fp8 {fp8!r}: use fp8 or fbgemm")
     out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()

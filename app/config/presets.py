@@ -49,15 +49,16 @@ PRESETS: dict[str, dict] = {
         "num_attention_heads": 128,
         "num_hidden_layers": 126,
     },
-    # the 405B as an FP8 checkpoint declares itself (a quantization_config: vLLM allocates FP8 weights as it builds the
-    # model, 95.5 GiB a GPU at TP 4; a bf16 checkpoint with `quantization: fp8` is allocated in bf16 first)
+    # Meta's own FP8 405B (Meta-Llama-3.1-405B-Instruct-FP8): its config.json declares fbgemm_fp8 (FP8 row-wise) for
+    # the feed-forward layers of all but the first and last layer; attention and those two layers stay bf16. vLLM
+    # allocates the FP8 weights as it builds the model (a bf16 checkpoint with `quantization: fp8` is allocated in
+    # bf16 first, then quantized).
     "llama-3.1-405b-fp8": {
         **_LLAMA31_COMMON,
         "hidden_size": 16384,
         "intermediate_size": 53248,
         "num_attention_heads": 128,
         "num_hidden_layers": 126,
-        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"},
     },
     # a draft model for the 8B/70B/405B (same tokenizer and vocabulary): speculative decoding's `draft_model`
     "llama-3.2-1b": {
@@ -92,8 +93,22 @@ PRESETS: dict[str, dict] = {
 }
 
 ALIASES = {"8b": "llama-3.1-8b", "70b": "llama-3.1-70b", "405b": "llama-3.1-405b"}
-# what `summit make-model-config --fp8` adds to a preset: an FP8 checkpoint's own declaration
+# what `summit make-model-config --fp8` adds to a preset: an FP8 checkpoint's own declaration, as vLLM's `fp8` method
+# writes it (every linear layer in FP8, dynamic activation scales)
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+FBGEMM_PRESETS = {"llama-3.1-405b-fp8"}  # presets of Meta's FP8 checkpoints: fbgemm_fp8
+
+
+def fbgemm_quantization_config(num_layers: int) -> dict:
+    """The quantization_config of Meta's FP8 Llama 3.1 checkpoints (fbgemm_fp8): every layer's attention projections,
+    the first and last layer's feed-forward projections and the lm_head are not converted (Llama 3 paper, section
+    6.2: attention and the first and last Transformer layers stay in bf16; dynamic scales capped at 1200)."""
+    kept = []
+    for i in range(num_layers):
+        if i in (0, num_layers - 1):
+            kept += [f"model.layers.{i}.mlp.{p}_proj" for p in ("down", "gate", "up")]
+        kept += [f"model.layers.{i}.self_attn.{p}_proj" for p in ("k", "o", "q", "v")]
+    return {"activation_scale_ub": 1200.0, "modules_to_not_convert": [*kept, "lm_head"], "quant_method": "fbgemm_fp8"}
 
 
 def get_preset(name: str) -> dict:
@@ -101,4 +116,7 @@ def get_preset(name: str) -> dict:
     if key not in PRESETS:
         known = ", ".join(sorted(PRESETS) + sorted(ALIASES))
         raise KeyError(f"unknown model preset {name!r}; known presets: {known}")
-    return dict(PRESETS[key])
+    preset = dict(PRESETS[key])
+    if key in FBGEMM_PRESETS:
+        preset["quantization_config"] = fbgemm_quantization_config(preset["num_hidden_layers"])
+    return preset

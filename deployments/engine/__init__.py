@@ -15,6 +15,7 @@ modules. Each module imports vLLM inside its functions, so importing the package
   serving      one request through vLLM's serving objects in this process, without HTTP (batch lines); stored responses
   failure      why an engine could not start, in the engine's own words (the control plane reads it back)
   versions     the vLLM versions Summit supports and was tested on; the installed one checked at each start
+  registry     the architectures and quantization methods the installed vLLM accepts (its own registries)
 """
 
 # vLLM's default batch size: the schema holds it (the schema imports no engine)
@@ -55,6 +56,7 @@ from deployments.engine.metrics import (
     prompt_tokens_by_source,
 )
 from deployments.engine.platform import CPU_RAY_PLATFORM_ENV, cpu_ray_platform
+from deployments.engine.registry import architecture_problem, quantization_problem
 from deployments.engine.serving import answer_in_process, background_response, stores_responses
 from deployments.engine.state import (
     check_engine_health,
@@ -82,6 +84,7 @@ __all__ = [
     "OutputMark",
     "StartFailure",
     "adapters_in_engine",
+    "architecture_problem",
     "answer_in_process",
     "background_response",
     "check_engine_health",
@@ -100,6 +103,7 @@ __all__ = [
     "generation_tokens",
     "hand_off_tokens",
     "prompt_tokens_by_source",
+    "quantization_problem",
     "kv_block_size",
     "kv_connector_counters",
     "kv_cache_blocks",

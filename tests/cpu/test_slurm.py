@@ -3,7 +3,8 @@ network and PID namespace of its own: tests/slurm_cluster.py), with the tiny CPU
 on n1 and a worker on n2, deploys the Serve YAML, writes its endpoint, answers the official OpenAI client; squeue
 shows it; scancel stops every process it started and frees its port. Two jobs on one node get their own ports and
 stop alone; a node lost mid-job is reported in endpoint.json while the job keeps serving; SLURM's signal before the
-time limit drains the job: a running stream ends complete, then the job stops. The cookbook's one-node recipes
+time limit drains the job: a running stream ends complete, then the job stops. A job whose engine cannot start
+says why in endpoint.json (the engine's own line, its log) and ends by itself. The cookbook's one-node recipes
 (docs/deployment/slurm-cookbook.md): a server job written by `summit sbatch` shares its node without `--exclusive`,
 and when its engine is killed, the traceback is in the logs the job keeps (LOG_DIR/ray-logs) after scancel removed
 its node-local state; a batch job written by `summit sbatch --batch` answers every line of its JSONL file and ends.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -48,9 +50,9 @@ def _hosts_possible():
 
 
 STREAM = """
-import json, sys
+import json, os, sys
 import openai
-client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=300)
+client = openai.OpenAI(base_url=sys.argv[1], api_key=os.environ["OPENAI_API_KEY"], max_retries=0, timeout=300)
 finish, usage = None, None
 for i, chunk in enumerate(client.completions.create(model="tiny-llama", prompt="Down the valley", stream=True,
                                                    max_tokens=int(sys.argv[2]), temperature=0,
@@ -66,9 +68,10 @@ print(json.dumps({"finish": finish, "tokens": usage.completion_tokens if usage e
 
 # One new request's answer: "<status> <error type or ok>" (urllib: a refusal is an answer here, not a retry).
 NEW_REQUEST = """
-import json, sys, urllib.error, urllib.request
+import json, os, sys, urllib.error, urllib.request
 body = json.dumps({"model": "tiny-llama", "prompt": "Late", "max_tokens": 2}).encode()
-request = urllib.request.Request(sys.argv[1] + "/completions", body, {"Content-Type": "application/json"})
+headers = {"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}
+request = urllib.request.Request(sys.argv[1] + "/completions", body, headers)
 try:
     with urllib.request.urlopen(request, timeout=30) as reply:
         print(reply.status, "ok")
@@ -196,12 +199,21 @@ def wait_ready(slurm: SlurmCluster, job: Job, timeout_s: float = 900, want: str 
     return state
 
 
-def ask(slurm: SlurmCluster, port: int, timeout: float = 180) -> dict:
+def with_key(state: dict) -> dict[str, str]:
+    """The environment of a client of the job: its API key (the job writes one, 0600, and names it in endpoint.json)."""
+    key_file = Path(state["api_key_file"])
+    assert key_file.stat().st_mode & 0o777 == 0o600, oct(key_file.stat().st_mode)
+    return {**os.environ, "OPENAI_API_KEY": key_file.read_text().strip()}
+
+
+def ask(slurm: SlurmCluster, state: dict, timeout: float = 180) -> dict:
+    """The official client against a job (its endpoint.json `state`), with the job's API key."""
     answer = subprocess.run(
-        [*slurm.head.net_prefix, sys.executable, "-c", OPENAI_CHECK, f"http://127.0.0.1:{port}/v1"],
+        [*slurm.head.net_prefix, sys.executable, "-c", OPENAI_CHECK, f"http://127.0.0.1:{state['port']}/v1"],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=with_key(state),
     )
     assert answer.returncode == 0, answer.stderr[-3000:]
     return json.loads(answer.stdout.strip().splitlines()[-1])
@@ -287,6 +299,17 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
     shared = ("--cpus-per-task=1", "--exclusive=user")  # the shipped two-node script asks for whole nodes
     job = submit(slurm, tmp_path, tiny_model_dir, "lost", "--nodes=2", *shared, config=config_path)
     other = submit(slurm, tmp_path, tiny_model_dir, "b", "--nodelist=n1", "--cpus-per-task=1", script=one_node)
+    # job bad: its engine cannot start (an architecture vLLM does not serve): endpoint.json says why, the job ends
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "config.json").write_text((broken / "config.json").read_text().replace("LlamaForCausalLM", "NoSuchLM"))
+    bad_env = {"SUMMIT_TINY_MODEL": str(broken)}
+    bad = submit(slurm, tmp_path, tiny_model_dir, "bad", "--nodes=1", "--nodelist=n2", *shared, env=bad_env)
+    failed = wait_ready(slurm, bad, want="failed")
+    assert "Model architectures ['NoSuchLM'] are not supported" in failed["reason"], failed
+    assert failed["kind"] == "architecture" and failed["log"] and failed["log_kept"], failed
+    wait_gone(slurm, bad, timeout_s=120)  # the job ended by itself: SLURM has its CPUs (and GPUs) back
+    assert any(Path(kept).is_file() for kept in failed["log_kept"]), failed["log_kept"]  # copied as the job ended
     state, b = wait_ready(slurm, job), wait_ready(slurm, other)
     print(f"jobs {job.id}, {other.id}: submitted -> ready in {time.monotonic() - started:.0f} s")
     assert squeue_line(slurm, job).split()[1:3] == ["RUNNING", "n[1-2]"], slurm.jobs()  # squeue: both nodes
@@ -295,9 +318,18 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
     assert state["port"] != b["port"] and state["dashboard_port"] != b["dashboard_port"], ports
     assert (b["url"], b["host"]) == (f"http://127.0.0.1:{b['port']}/v1", "n1"), b
     assert b["tunnel"] == f"ssh -N -L {b['port']}:127.0.0.1:{b['port']} n1", b
-    reply = ask(slurm, state["port"])
+    reply = ask(slurm, state)
     assert reply["tokens"] == 8 and reply["models"] == ["tiny-llama"], reply
-    assert ask(slurm, b["port"])["tokens"] == 8
+    # auth is on by default (the YAML has no `auth:`): another user of the node, without the job's key, is refused
+    keyless = subprocess.run(
+        [*slurm.head.net_prefix, sys.executable, "-c", OPENAI_CHECK, f"http://127.0.0.1:{state['port']}/v1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OPENAI_API_KEY": ""},
+    )
+    assert keyless.returncode != 0 and "401" in keyless.stderr, keyless.stderr[-2000:]
+    assert ask(slurm, b)["tokens"] == 8
     ray_nodes = {log.name for log in job.logs.glob("ray-*.log")}
     assert ray_nodes == {"ray-head.log", "ray-worker-n2.log"}, ray_nodes
     assert job_processes(job.id) and job_processes(other.id), "each job's processes carry its SLURM_JOB_ID"
@@ -336,7 +368,7 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
         tmp_path, "batch.sbatch", "serve_configs/tiny-cpu.yaml", "--gpus-per-node", "0", "--batch", str(batch_in)
     )
     batch = submit(slurm, tmp_path, tiny_model_dir, "batch", "--nodelist=n1", "--cpus-per-task=1", script=batch_script)
-    assert ask(slurm, state["port"])["tokens"] == 8, "job lost answers after job b on the same node stopped"
+    assert ask(slurm, state)["tokens"] == 8, "job lost answers after job b on the same node stopped"
     assert port_binds(slurm, b["port"]).returncode == 0, f"job b's port {b['port']} still taken"
 
     steps = slurm.run("squeue", "-h", "-s", "-j", job.id, "-o", "%i %N").stdout.split("\n")
@@ -352,7 +384,7 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
     deadline, reply = time.monotonic() + 300, None  # a replica that was on n2 restarts on n1
     while time.monotonic() < deadline:
         try:
-            reply = ask(slurm, state["port"], timeout=60)
+            reply = ask(slurm, state, timeout=60)
             break
         except (AssertionError, subprocess.TimeoutExpired):
             time.sleep(5)
@@ -368,6 +400,7 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
             [*slurm.head.net_prefix, sys.executable, "-c", STREAM, f"http://127.0.0.1:{state['port']}/v1", "1500"],
             stdout=subprocess.PIPE,
             text=True,
+            env=with_key(state),
         )
         try:
             assert stream.stdout.readline().strip() == "FIRST"
@@ -385,6 +418,7 @@ def test_jobs_serve_on_their_own_ports_stop_alone_survive_a_lost_node_and_drain_
                     capture_output=True,
                     text=True,
                     timeout=60,
+                    env=with_key(state),
                 ).stdout.strip()
                 if answer and not answer.endswith(" ok"):
                     break

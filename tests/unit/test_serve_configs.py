@@ -36,6 +36,11 @@ def with_model(doc: dict, **changes) -> dict:
     return {**doc, "applications": [app]}
 
 
+def with_engine(doc: dict, **changes) -> dict:
+    model = doc["applications"][0]["args"]["models"][0]
+    return with_model(doc, engine_kwargs={**model["engine_kwargs"], **changes})
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_serve_config_validates(path):
     doc = yaml.safe_load(path.read_text())
@@ -75,9 +80,12 @@ def test_intended_layouts():
         "llama70b-fp8.yaml": (2, 1),
         "llama405b-fp8-4gpu.yaml": (4, 1),
     }
-    # vLLM quantizes bf16 checkpoints as it loads them; the 4-GPU file runs an FP8 checkpoint, which declares itself
-    assert all(m[n].engine_kwargs["quantization"] == "fp8" for n in GPU_CONFIGS if "fp8" in n and "4gpu" not in n)
-    assert "quantization" not in m["llama405b-fp8-4gpu.yaml"].engine_kwargs
+    # vLLM quantizes the 8B and 70B bf16 checkpoints as it loads them; the 405B files run Meta's FP8 checkpoint,
+    # which declares its method (fbgemm_fp8) itself and needs vLLM's consent to a deprecated method
+    assert all(m[n].engine_kwargs["quantization"] == "fp8" for n in GPU_CONFIGS if "fp8" in n and "405b" not in n)
+    for name in ("llama405b-fp8.yaml", "llama405b-fp8-4gpu.yaml"):
+        assert "quantization" not in m[name].engine_kwargs and m[name].model_preset == "llama-3.1-405b-fp8"
+        assert m[name].engine_kwargs["allow_deprecated_quantization"] is True
     assert [n for n in GPU_CONFIGS if m[n].engine_kwargs.get("kv_cache_dtype") == "fp8"] == [
         "llama8b-fp8.yaml",
         "llama70b-fp8.yaml",
@@ -105,16 +113,20 @@ def test_405b_fp8_on_two_a100_40gb_nodes_is_told_the_seeds_layout_only():
     assert "No change to this config fits 1 node × 8 a100-40gb" in problem and "pipeline" not in problem
 
 
-def test_each_fix_named_fits_on_its_own():
-    """fp8 weights at TP 2 with 60 % of an H100 and a bf16 KV cache: short; each of the three fixes named fits."""
+def test_each_fix_named_fits_on_its_own(tmp_path):
+    """An FP8 70B checkpoint (its config.json declares fp8: no 16-bit weights at load time) at TP 2 with 60 % of an
+    H100 and a bf16 KV cache: short; each of the three fixes named fits."""
+    from app.clusters.tiny_model import make_model_config
+
     engine = {
         "dtype": "bfloat16",
-        "quantization": "fp8",
         "max_model_len": 131072,
         "max_num_seqs": 256,
         "gpu_memory_utilization": 0.6,
     }
-    doc, h100 = with_model(load("llama70b-fp8.yaml"), engine_kwargs=engine), Hardware("h100-80gb", 8, 1)
+    fp8_checkpoint = str(make_model_config("llama-3.1-70b", tmp_path / "70b-fp8", fp8="fp8"))
+    doc = with_model(load("llama70b-fp8.yaml"), engine_kwargs=engine, source=fp8_checkpoint)
+    h100 = Hardware("h100-80gb", 8, 1)
     (problem,) = validate_doc(doc, h100, env={}).problems
     assert problem.endswith(
         "Fix: use tensor_parallel_size 4 × pipeline_parallel_size 1 (`summit plan`), lower "
@@ -125,6 +137,16 @@ def test_each_fix_named_fits_on_its_own():
     assert validate_doc(with_model(doc, engine_kwargs={**engine, "max_model_len": 77138}), h100, env={}).ok
     assert not validate_doc(with_model(doc, engine_kwargs={**engine, "max_model_len": 77138 + 512}), h100, env={}).ok
     assert validate_doc(with_model(doc, engine_kwargs={**engine, "kv_cache_dtype": "fp8"}), h100, env={}).ok
+
+
+def test_a_16_bit_checkpoint_quantized_as_it_loads_must_fit_its_16_bit_weights():
+    """`quantization: fp8` on the bf16 70B at TP 2 with 60 % of an H100: the FP8 weights would fit, but vLLM allocates
+    the bf16 ones first (70.55 B parameters x 2 B / 2 GPUs = 65.7 GiB a GPU): refused, naming the way out."""
+    engine = {"dtype": "bfloat16", "quantization": "fp8", "max_model_len": 8192, "gpu_memory_utilization": 0.6}
+    doc = with_model(load("llama70b-fp8.yaml"), engine_kwargs=engine)
+    (problem,) = validate_doc(doc, Hardware("h100-80gb", 8, 1), env={}).problems
+    assert "after allocating its 16-bit weights: 65.7 GiB per GPU at TP 2" in problem, problem
+    assert validate_doc(with_model(doc, tensor_parallel_size=4), Hardware("h100-80gb", 8, 1), env={}).ok
 
 
 def test_405b_bf16_on_one_node_is_short_of_gpus():
@@ -244,23 +266,19 @@ def test_engine_settings_from_the_environment_go_over_every_models(monkeypatch):
             load_config(args)
 
 
-def test_405b_fp8_on_four_gpus_fits_h200s_not_h100s_at_tp4_and_at_tp2_pp2():
-    """The FP8 checkpoint's shapes (the preset, as `summit make-model-config llama-3.1-405b --fp8` writes them): 95.5
-    GiB of FP8 weights a GPU at TP 4 fit four H200s and not four H100s (the shortfall named); TP 2 x PP 2 on the same
-    node fits too. Without the checkpoint's quantization_config (a bf16 405B) nothing fits four H200s."""
-    from app.clusters.tiny_model import make_model_config  # noqa: F401 — the --fp8 option's target
-    from app.config.presets import FP8_QUANTIZATION_CONFIG, get_preset
-
+def test_metas_405b_fp8_on_four_gpus_fits_h200s_at_64k_context_not_h100s():
+    """Meta's FP8 checkpoint (the preset: its config.json's quantization_config exactly) at TP 4: attention and the
+    first and last layer stay bf16. By hand: attention (2 x 16384^2 + 2 x 16384 x 1024) x 2 B x 126 layers =
+    143.75 GB; feed-forward 3 x 16384 x 53248 = 2.617 B parameters a layer, x 1 B x 124 + x 2 B x 2 = 335.01 GB;
+    embeddings and lm_head 2 x 128256 x 16384 x 2 B = 8.41 GB; norms 8.3 MB: 487.17 GB = 453.7 GiB, 113.4 GiB a GPU.
+    It fits four H200s at the YAML's 65,536-token context, not at 131,072 (the shortfall named), and never four H100s.
+    Sized with every linear layer in FP8 (vLLM's fp8 method), the same shapes would claim 95.5 GiB a GPU."""
     doc = load("llama405b-fp8-4gpu.yaml")
     report = validate_doc(doc, Hardware("h200-141gb", 4, 1), env={})
-    assert report.ok and "fp8 weights 95.5 GiB" in report.lines[0], report.lines
-    assert validate_doc(
-        with_model(doc, tensor_parallel_size=2, pipeline_parallel_size=2), Hardware("h200-141gb", 4, 1), env={}
-    ).ok
+    assert report.ok and "fp8 weights 113.4 GiB" in report.lines[0], report.lines
+    (problem,) = validate_doc(with_engine(doc, max_model_len=131072), Hardware("h200-141gb", 4, 1), env={}).problems
+    assert "short by" in problem and "max_model_len to 89,434" in problem, problem
     (problem,) = validate_doc(doc, Hardware("h100-80gb", 4, 1), env={}).problems
     assert "short by" in problem and "GiB per GPU" in problem
-    assert not validate_doc(with_model(doc, model_preset="llama-3.1-405b"), Hardware("h200-141gb", 4, 1), env={}).ok
-    assert get_preset("llama-3.1-405b-fp8") == {
-        **get_preset("llama-3.1-405b"),
-        "quantization_config": FP8_QUANTIZATION_CONFIG,
-    }
+    all_fp8 = validate_doc(with_model(doc, model_preset="llama-3.1-405b"), Hardware("h200-141gb", 4, 1), env={})
+    assert "bf16 weights" in all_fp8.lines[0]  # the bf16 preset: no quantization_config to size by

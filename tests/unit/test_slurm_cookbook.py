@@ -61,13 +61,16 @@ def test_each_command_runs_and_asks_for_what_the_page_shows(command, shown, tmp_
 
 
 def test_metas_fp8_checkpoint_is_sized_as_fp8_where_it_cannot_be_read():
-    """The 2-node recipe's `quantization: fbgemm_fp8` (the method the checkpoint's own quantization_config names):
-    sized as fp8 weights from the preset when the path does not exist; without the key, the same file is sized bf16."""
+    """The 2-node recipe's `model_preset: llama-3.1-405b-fp8` (Meta's checkpoint's own quantization_config) sizes
+    its weights where the path does not exist: the heaviest of two stages holds 63 layers' bf16 attention
+    (63 x 1.141 GB), 62 FP8 feed-forwards (62 x 2.617 GB), one bf16 feed-forward (the first or last layer, 5.234 GB),
+    their norms and one vocab matrix (4.203 GB): 243.58 GB over TP 8 = 28.4 GiB a GPU. With the bf16 preset instead,
+    the same file is sized bf16 (47.2 GiB)."""
     doc = yaml.safe_load((REPO / "serve_configs/llama405b-fp8-2node.yaml").read_text())
     env = {**os.environ, "LLAMA405B_FP8_PATH": "/nonexistent/Meta-Llama-3.1-405B-Instruct-FP8"}
     report = validate_doc(doc, Hardware("h100-80gb", 8, 2), env=env)
-    assert report.ok and "TP 8 × PP 2, fp8 weights 23.9 GiB" in report.lines[0], report.lines
+    assert report.ok and "TP 8 × PP 2, fp8 weights 28.4 GiB" in report.lines[0], report.lines
     model = doc["applications"][0]["args"]["models"][0]
-    assert model["engine_kwargs"]["quantization"] == "fbgemm_fp8"
-    del model["engine_kwargs"]["quantization"]
+    assert model["model_preset"] == "llama-3.1-405b-fp8" and model["engine_kwargs"]["allow_deprecated_quantization"]
+    model["model_preset"] = "llama-3.1-405b"
     assert "bf16 weights 47.2 GiB" in validate_doc(doc, Hardware("h100-80gb", 8, 2), env=env).lines[0]
