@@ -39,6 +39,9 @@
 #                                          # (ARGS e.g. --policies kv kv-offload --loads overflow2x; ROUNDS, default 2)
 #   bash scripts/gpu_host.sh autoscale [ARGS]  # 8B shapes, one GPU: latency-target autoscaling's timeline
 #                                          # (bench/autoscale_latency.py)
+#   bash scripts/gpu_host.sh day-one CASE   # one GPU: a start that cannot succeed through `serve deploy` + `summit
+#                                          # wait-ready` (CASE oom: 405B bf16 shapes at TP 1), or Meta's FP8 405B
+#                                          # depth-reduced through the shipped model section (CASE fp8; bench/day_one.py)
 #   bash scripts/gpu_host.sh profile [ARGS]    # 8B shapes, one GPU: vLLM's engine step times for summit simulate
 #                                          # (bench/engine_profile.py: steps timed alone, then decode runs with async
 #                                          # scheduling on), PROFILE_SETS "graphs eager" (default): the shipped config
@@ -84,6 +87,14 @@ model8b=/tmp/summit-llama8b
 [ -f $model8b/config.json ] || python3 -m app.cli make-model-config llama-3.1-8b $model8b >/dev/null
 
 case "$step" in
+day-one)
+  which=${2:?usage: gpu_host.sh day-one oom|fp8}
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+  gpu=h100-80gb; [[ "$name" == *H200* ]] && gpu=h200-141gb
+  python3 bench/day_one.py "$which" --gpu "$gpu" --logs "$out/day-one-$which" --json "$out/day-one-$which.json" 2>&1 \
+    | tee "$out/day-one-$which.log"
+  grep -rli mnnvl /tmp/summit-ray-day-one 2>/dev/null | tee "$out/mnnvl-hits-$which.txt" ;;
 layers)
   nvidia-smi topo -m | tee "$out/topo.txt"
   python3 bench/gpu_layers.py "$model8b" --tp 2 2>&1 | tee "$out/layers.log" ;;
