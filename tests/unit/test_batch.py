@@ -410,3 +410,20 @@ def test_summit_batch_starts_its_private_ray_again_when_the_node_misses_rays_sta
     monkeypatch.setattr(ray, "init", always_late)
     with pytest.raises(Exception, match="timed out during startup"):
         offline._start_ray(None, 2, {})
+
+
+def test_a_rerun_takes_the_transient_errors_out_of_the_errors_file_and_keeps_a_4xx(tmp_path):
+    """`summit batch` run again (a resubmitted SLURM job): lines that failed with a 5xx, 429 or no answer leave the
+    errors file and run again; a 400 (the request's own fault) stays, and is skipped; `all` takes it too."""
+    from app.batch.offline import finished_ids, retry_errors
+
+    def line(cid: str, status: int | None) -> str:
+        response = None if status is None else {"status_code": status, "request_id": "r", "body": {}}
+        return json.dumps({"id": "b", "custom_id": cid, "response": response, "error": None}) + "\n"
+
+    err = tmp_path / "out.errors.jsonl"
+    err.write_text(line("a", 503) + line("b", 400) + line("c", 429) + line("d", None))
+    assert retry_errors(err, "transient") == 3
+    assert finished_ids(err) == {"b"}
+    assert retry_errors(err, "none") == 0 and finished_ids(err) == {"b"}
+    assert retry_errors(err, "all") == 1 and finished_ids(err) == set()

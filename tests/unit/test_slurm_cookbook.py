@@ -74,3 +74,28 @@ def test_metas_fp8_checkpoint_is_sized_as_fp8_where_it_cannot_be_read():
     assert model["model_preset"] == "llama-3.1-405b-fp8" and model["engine_kwargs"]["allow_deprecated_quantization"]
     model["model_preset"] = "llama-3.1-405b"
     assert "bf16 weights 47.2 GiB" in validate_doc(doc, Hardware("h100-80gb", 8, 2), env=env).lines[0]
+
+
+def test_sbatch_warns_of_idle_gpus_takes_a_gpu_type_and_a_batch_concurrency(tmp_path, capsys, monkeypatch):
+    """llama70b.yaml (one replica of TP 4) on an 8-GPU ask: warned that 4 GPUs would sit idle, with the ask that fits;
+    at --gpus-per-node 4 no warning. --gpu-type asks SLURM's gres for that type, --constraint passes through; a batch
+    job runs `summit batch` at the Batch API's 512 lines in flight unless told. The hint names the directory the
+    script's relative paths need."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "j.sbatch"
+    assert main(["sbatch", "serve_configs/llama70b.yaml", "--gpus-per-node", "8", "-o", str(out)]) == 0
+    said = capsys.readouterr().err
+    assert "asks for 8 GPUs (1 × --gpus-per-node 8) but the YAML's replicas use 4: 4 would sit idle" in said, said
+    assert f"submit it with: cd {REPO} && sbatch {out}" in said, said
+    argv = ["sbatch", "serve_configs/llama70b.yaml", "--gpus-per-node", "4", "--gpu-type", "h100", "--constraint", "ib"]
+    assert main([*argv, "-o", str(out)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    asked = [x for x in out.read_text().splitlines() if x.startswith("#SBATCH ")]
+    assert "#SBATCH --gres=gpu:h100:4" in asked and "#SBATCH --constraint=ib" in asked, asked
+    assert not any(x.startswith("#SBATCH --gpus-per-node") for x in asked), asked
+    assert (
+        main(["sbatch", "serve_configs/tiny-cpu.yaml", "--gpus-per-node", "0", "--batch", "in.jsonl", "-o", str(out)])
+        == 0
+    )
+    assert "BATCH_CONCURRENCY=${BATCH_CONCURRENCY:-512}" in out.read_text()
+    assert '--concurrency "${BATCH_CONCURRENCY:-512}" --retry-errors' in out.read_text()
