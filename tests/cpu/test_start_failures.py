@@ -118,7 +118,7 @@ CONFIG_ERRORS = {
         "quantization",
     ),
     "kv-cache": (
-        lambda d, t: {"engine_kwargs": {"kv_cache_memory_bytes": 1 << 20}},
+        lambda d, t: {"engine_kwargs": {"kv_cache_memory_bytes": 1 << 19}},  # 1,024 tokens of the tiny model
         "KV cache is needed",
         "kv_cache",
     ),
