@@ -11,6 +11,8 @@ with the same failures: tests/cpu/test_serve_command.py; the SLURM job: tests/cp
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,13 +26,51 @@ import yaml
 
 from app.clusters.serve_status import Dashboard
 from deployments.engine.failure import MARKER
-from tests.cpu.engine_apps import app_config, tiny_model
+from tests.cpu.engine_apps import REPO, app_config, tiny_model
 from tests.engine_checks import titled
 from tests.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(900)
 WAIT_TIMEOUT_S = 600  # wait-ready's own timeout: every failure below must end it long before
 TEST_BOUND_S = 300
+# What wait-ready printed for each class, as docs/operations/troubleshooting.md shows it (scripts/docs.py makes the
+# page's table from this file): a case whose words differ from the record fails, so the page cannot go stale. After a
+# change of the words: SUMMIT_RECORD_START_FAILURES=1 pytest tests/cpu/test_start_failures.py, then scripts/docs.py.
+RECORD = REPO / "docs/operations/start-failures.json"
+_TIMES = re.compile(r"after \d+ s")
+_PATHS = re.compile(r"(?:\d+\.\d+\.\d+\.\d+:)?/(?:tmp|root|home)/\S+?(?=[,'\s]|$)")
+_LISTED = re.compile(r"Supported architectures: dict_keys\(\[.*$")
+
+
+def normalized(out: str) -> list[str]:
+    """The lines wait-ready printed (`summit: ...`; not Serve's own word on a slow start, which comes or not), with
+    what differs from run to run (seconds, paths, port, replica id, whether vLLM read the signal, its list of every
+    architecture it serves) written as placeholders."""
+    lines = [line for line in out.splitlines() if line.startswith("summit: ") and "Serve says" not in line]
+    lines = [_TIMES.sub("after N s", line) for line in lines]
+    lines = [_PATHS.sub("PATH", line) for line in lines]
+    lines = [re.sub(r"http://127\.0\.0\.1:\d+", "http://127.0.0.1:PORT", line) for line in lines]
+    lines = [re.sub(r"replica \w{8} ", "replica ID ", line) for line in lines]
+    lines = [re.sub(r"ended by (SIGKILL|a signal)", "ended by SIGKILL", line) for line in lines]  # read or not
+    return [_LISTED.sub("Supported architectures: dict_keys([...])", line) for line in lines]
+
+
+def said_as_recorded(case: str, out: str) -> None:
+    """The case's lines are those the troubleshooting page shows (recorded on the CPU line CI runs); recorded
+    anew with SUMMIT_RECORD_START_FAILURES=1."""
+    import vllm
+
+    lines = normalized(out)
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {"vllm": vllm.__version__, "cases": {}}
+    if os.environ.get("SUMMIT_RECORD_START_FAILURES") == "1":
+        record = {"vllm": vllm.__version__, "cases": {**record["cases"], case: lines}}
+        RECORD.write_text(json.dumps(record, indent=1) + "\n")
+        return
+    if record["vllm"] == vllm.__version__:  # another vLLM words its errors otherwise
+        assert record["cases"].get(case) == lines, (
+            f"wait-ready now says what docs/operations/troubleshooting.md does not ({case}): {lines}; record it "
+            "(SUMMIT_RECORD_START_FAILURES=1) and run scripts/docs.py"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +180,7 @@ def test_a_config_error_ends_the_wait_at_its_first_failure_with_the_engines_word
     assert report.get("state") == "failed" and phrase in report.get("reason", ""), report
     assert "summit: failed after" in result["out"] and phrase in result["out"], result["out"][-3000:]
     assert "Engine core initialization failed" not in report["reason"], report  # the root cause, not the wrapper
+    said_as_recorded(case, result["out"])
     if kind is None:
         assert "source" in report["reason"], report  # the builder names the key
         return
@@ -220,9 +261,10 @@ def test_an_engine_killed_while_loading_is_tried_max_start_attempts_times_then_t
         result = deploy_and_wait(cluster, tmp_path, model)
     report = result["report"]
     assert result["rc"] == 1, result["out"][-3000:]
-    assert report.get("kind") == "killed" and "SIGKILL" in report["reason"], report
+    assert report.get("kind") == "killed" and "was ended by" in report["reason"], report
     assert "out-of-memory" in report["fix"], report
     assert report["serve_status"] == "DEPLOY_FAILED", report
+    said_as_recorded("killed", result["out"])
     attempts = replica_actors(cluster) - before
     assert len(attempts) == 2, f"{len(attempts)} replica starts (max_start_attempts: 2); {len(killer.seen)} killed"
 
@@ -252,5 +294,6 @@ def test_a_start_that_hangs_ends_at_the_timeout_naming_the_last_line_its_replica
             core.kill()
     assert result["rc"] == 1 and result["report"]["state"] == "timeout", result["out"][-3000:]
     assert "not answering after" in result["out"], result["out"][-3000:]
+    said_as_recorded("hang", re.sub(r"last logged: .*", "last logged: LINE", result["out"]))
     (said,) = result["report"]["last_logged"]
     assert said.split(" last logged: ", 1)[1] in [line.strip() for line in written[-5:]], (said, written[-5:])
