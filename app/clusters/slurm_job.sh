@@ -210,7 +210,7 @@ if e.get("REPORT") and os.path.exists(e["REPORT"]):
     doc.update({k: report[k] for k in ("reason", "fix", "kind", "model", "last_logged") if report.get(k)})
     if report.get("log"):  # "NODE_IP:PATH, PATH" on the replica's node; the job copies each node's logs when it ends
         ip, _, paths = report["log"].partition(":")
-        node = dict(pair.split("=", 1) for pair in e["NODE_ADDRS"].split()).get(ip, ip)
+        node = {a: n for n, _, a in (pair.partition("=") for pair in e["NODE_ADDRS"].split())}.get(ip, ip)
         doc["log"] = report["log"]
         doc["log_kept"] = [f"{e['LOG_DIR']}/ray-logs/{node}/{os.path.basename(p.strip())}" for p in paths.split(",")]
 tmp = sys.argv[1] + ".tmp"
@@ -362,18 +362,15 @@ main() {
   say "deploying $SERVE_CONFIG"
   endpoint starting "deploying $SERVE_CONFIG"
   deploy
-  if [ "$DRY_RUN" = 1 ]; then
-    echo "+ summit wait-ready $SUMMIT_JOB_CONFIG --timeout $READY_WAIT_S"
-    return 0
-  fi
   # ends at once when a replica's engine cannot start (the engine's own words in $START_REPORT, then endpoint.json),
   # else when the app answers or after READY_WAIT_S; a failed start ends the job, and SLURM gets the GPUs back
-  OPENAI_API_KEY=$(api_key) summit wait-ready "$SUMMIT_JOB_CONFIG" --timeout "$READY_WAIT_S" \
+  OPENAI_API_KEY=$(api_key) run summit wait-ready "$SUMMIT_JOB_CONFIG" --timeout "$READY_WAIT_S" \
     --address "http://127.0.0.1:$DASHBOARD_PORT" --report "$START_REPORT" || {
     say "the application cannot serve (above; $ENDPOINT_FILE has the reason): the job ends"
     REPORT=$START_REPORT endpoint failed "the application did not start"
     exit 1
   }
+  [ "$DRY_RUN" = 1 ] && return 0
   endpoint ready
   say "ready: $ENDPOINT_FILE; from a login node: ssh -N -L $SUMMIT_HTTP_PORT:127.0.0.1:$SUMMIT_HTTP_PORT $SUMMIT_HEAD, then OPENAI_BASE_URL=http://127.0.0.1:$SUMMIT_HTTP_PORT/v1${SUMMIT_API_KEY_FILE:+ OPENAI_API_KEY=\$(cat $SUMMIT_API_KEY_FILE)}"
   watch_steps

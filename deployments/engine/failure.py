@@ -248,12 +248,9 @@ def _killed(message: str) -> str | None:
                 sig = signal.Signals(-int(code)).name
             except ValueError:
                 sig = f"signal {-int(code)}"
-            return f"vLLM's {name} process was killed by {sig} while the engine started"
-    if not codes and "Failed core proc(s): {}" in message:
-        return (
-            "vLLM's engine process died while the engine started without writing an error of its own: a signal "
-            "ended it (SIGKILL, as the out-of-memory killer sends, or a crash)"
-        )
+            return f"vLLM's engine process ({name}) was ended by {sig} while the engine started"
+    if not codes and "Failed core proc(s): {}" in message:  # vLLM saw it gone before its exit code
+        return "vLLM's engine process (EngineCore) was ended by a signal while the engine started"
     return None
 
 

@@ -160,6 +160,9 @@ def test_sbatch_dry_run_prints_the_cluster_commands(tmp_path):
     job_env = next(x for x in lines if "summit job-env" in x)
     assert "--config serve_configs/llama405b.yaml" in job_env and f"--config-out {tmp_path}/logs/serve.yaml" in job_env
     assert any(x.startswith(f"+ serve deploy {tmp_path}/logs/serve.yaml --address http://127.0.0.1:") for x in lines)
+    # the wait reads Serve's status through the job's dashboard: a start that fails ends the job at once
+    wait = next(x for x in lines if x.startswith("+ summit wait-ready "))
+    assert "--address http://127.0.0.1:8265" in wait and f"--report {tmp_path}/logs/start.json" in wait, wait
     assert "+ sh -c umask 077 && ray get-auth-token --generate >/dev/null" in lines  # no token yet: made, never printed
     assert not (tmp_path / "logs").exists()  # nothing ran
 
