@@ -53,7 +53,7 @@ for name in "${names[@]}"; do
       "${tests[@]}" >"$log" 2>&1)
     rc=$?
     case $rc in
-    1) echo "mutation $name ($level): killed by $(sed -n 's/^\(FAILED\|ERROR\) \([^ ]*\).*/\2 (\1)/p' "$log" | head -1)" ;;
+    1) echo "mutation $name ($level): killed by $(sed -n 's/^\(FAILED\|ERROR\) \(tests\/[^ ]*\).*/\2 (\1)/p' "$log" | head -1)" ;;
     0) echo "mutation $name ($level): SURVIVED: ${tests[*]} pass with it"; bad=1 ;;
     *) echo "mutation $name ($level): the tests did not run (pytest exit $rc):"; tail -20 "$log"; bad=1 ;;
     esac
