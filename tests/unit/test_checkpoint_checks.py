@@ -51,8 +51,8 @@ def cpu_model(source: Path, **engine) -> dict:
 
 def test_an_architecture_vllm_does_not_serve_is_refused(tiny, tmp_path):
     source = changed_copy(tiny, tmp_path, lambda c: c.update(architectures=["NoSuchLM"]))
-    (problem,) = validate_doc(serve_doc(cpu_model(source)), H200, env={}).problems
-    assert "['NoSuchLM'] are not in the installed vLLM's model registry" in problem, problem
+    problems = validate_doc(serve_doc(cpu_model(source)), H200, env={}).problems
+    assert len(problems) == 1 and "['NoSuchLM'] are not in the installed vLLM's model registry" in problems[0], problems
     assert validate_doc(serve_doc(cpu_model(tiny)), H200, env={}).ok  # LlamaForCausalLM: in the registry
 
 

@@ -272,6 +272,14 @@ class Connection:
             self.got.clear()
             await asyncio.wait_for(self.got.wait(), 10)
 
+    async def has_events(self, n: int, timeout_s: float = 10) -> bool:
+        """Whether `n` events arrive within `timeout_s` (False, for the caller's assertion, when they do not)."""
+        try:
+            await asyncio.wait_for(self.events(n), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def drop(self) -> None:
         self._left.set()
         self.task.cancel()
@@ -302,7 +310,8 @@ def test_a_client_that_leaves_a_resumable_stream_leaves_its_request_running_for_
         stream = first.header(STREAM_HEADER).decode()
         last = events_of(first.body)[-1].split(b"\n", 1)[0].removeprefix(b"id: ")
         again = Connection(front, [(b"last-event-id", last)], body=b"")
-        await again.events(2)  # the two it missed, from the journal
+        # the two it missed, from the journal (a resume taken for a new request would wait for the engine instead)
+        assert await again.has_events(2), f"the resume got {again.body!r}, not the two events it missed"
         engine.allow(100)
         await asyncio.wait_for(again.task, 10)
         await asyncio.wait_for(engine.finished.wait(), 10)
@@ -341,6 +350,7 @@ def test_a_resume_reaching_another_replica_or_process_goes_on_to_the_one_keeping
         elsewhere = new_stream_id("a", 0, "replica-2")
         there = Connection(front, [(b"last-event-id", f"{elsewhere}:4".encode())], body=b"")
         await asyncio.wait_for(there.task, 10)
+        assert len(sent) == 1, f"the resume should go on to the replica keeping the stream; sent on: {sent}"
         (request,) = sent
         assert request.header(b"x-summit-target-replica") == b"replica-2" and request.header(b"x-summit-forwarded")
         assert request.header(b"last-event-id") == f"{elsewhere}:4".encode() and b"data: kept" in there.body

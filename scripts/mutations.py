@@ -1,0 +1,289 @@
+"""Does each feature's test fail when the feature is switched off? (`bash scripts/mutations.sh`, which runs this.)
+
+tests/mutations/NAME.patch switches one feature off; its first line says what, its `# unit:` and `# engine:` lines
+name the tests that claim the feature at each level (`# engine: none: WHY` where no real-engine test can claim it: a
+pure planner figure). For each level asked:
+
+1. the test tools must be there (pytest in the Python that runs the tests), else nothing runs;
+2. the named tests of every patch run once on a scratch copy of the clean tree: all must pass (a test that already
+   fails, errors or skips there could not tell a mutation from the clean tree);
+3. each patch is applied to its own scratch copy and its tests run there. It is **killed** only when a named test
+   fails on an assertion (JUnit `failure` whose message is an `AssertionError`, a bare `assert`, or pytest's
+   `Failed:` such as "DID NOT RAISE"), not by an error (a fixture, an import, an exception the test did not expect),
+   not by a collection failure, and not by a timeout unless the patch says `# kills: hang`.
+
+Anything else fails the run: a patch that no longer applies, one that names no tests for a level asked, one whose
+tests pass with it (SURVIVED), one whose tests only error. `--record FILE` writes the verdicts with the date and the
+commit (JSON), as tests/mutations/engine-verdicts.json keeps the last engine-level run.
+
+    bash scripts/mutations.sh [--unit | --engine | --all] [--record FILE] [--dir DIR] [NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LEVELS = ("unit", "engine")
+_ASSERTION = re.compile(r"^(AssertionError\b|assert |Failed: )")
+
+
+@dataclass
+class Patch:
+    name: str
+    path: Path
+    what: str
+    tests: dict[str, list[str]] = field(default_factory=dict)  # level -> test ids (empty: none at that level)
+    why_none: dict[str, str] = field(default_factory=dict)  # level -> why no test claims it there
+    hang: bool = False  # a timeout is the claim's own failure (`# kills: hang`)
+
+    @classmethod
+    def read(cls, path: Path) -> Patch:
+        lines = path.read_text().splitlines()
+        patch = cls(path.stem, path, lines[0].lstrip("# ").strip() if lines else "")
+        for line in lines:
+            for level in LEVELS:
+                if line.startswith(f"# {level}:"):
+                    value = line.split(":", 1)[1].strip()
+                    if value.startswith("none"):
+                        patch.why_none[level] = value
+                    else:
+                        patch.tests[level] = value.split()
+            if line.strip() == "# kills: hang":
+                patch.hang = True
+        return patch
+
+
+@dataclass
+class Outcome:
+    """Per test id run: "passed", "skipped", ("failure", message) or ("error", message)."""
+
+    exit_code: int
+    cases: dict[str, tuple[str, str]]
+    log: str
+
+
+def python_for_tests() -> str:
+    given = os.environ.get("SUMMIT_MUTATION_PYTHON")
+    if given:
+        return given
+    venv = REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def copy_tree(to: Path) -> None:
+    """The working tree as it is (tracked and new files, not what git ignores)."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for raw in files:
+        if not raw:
+            continue
+        rel = raw.decode()
+        src = REPO / rel
+        if src.is_file():
+            (to / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, to / rel)
+
+
+def run_tests(tree: Path, tests: list[str], py: str, name: str, first_failure: bool = False) -> Outcome:
+    """The tests on `tree`; with `first_failure`, up to the first that fails (a mutated tree: its verdict is that
+    failure's, so a test that errors first is not a kill even where a later one would have failed on an assertion)."""
+    junit = tree.parent / f"{tree.name}.xml"
+    env = {**os.environ, "PYTHONPATH": str(tree), "SUMMIT_MUTATION": name}
+    stop = ["-x"] if first_failure else []
+    run = subprocess.run(
+        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *stop, f"--junitxml={junit}", *tests],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    return Outcome(run.returncode, read_junit(junit), run.stdout + run.stderr)
+
+
+def read_junit(path: Path) -> dict[str, tuple[str, str]]:
+    if not path.exists():
+        return {}
+    cases = {}
+    for case in ET.parse(path).iter("testcase"):
+        module = case.get("classname", "")
+        parts = module.split(".")
+        # pytest's classname: tests.unit.test_x (a module) or tests.unit.test_x.TestClass
+        cut = next((i for i in range(len(parts), 0, -1) if (REPO / Path(*parts[:i])).with_suffix(".py").exists()), 0)
+        node = "/".join(parts[:cut]) + ".py" + "".join(f"::{p}" for p in parts[cut:]) + f"::{case.get('name')}"
+        found = ("passed", "")
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is not None:
+                message = element.get("message") or (element.text or "").strip().splitlines()[-1:] or [""]
+                found = (tag, message if isinstance(message, str) else message[0])
+                break
+        if found[0] == "failure" or cases.get(node, ("passed",))[0] == "passed":
+            cases[node] = found
+    return cases
+
+
+def claimed(cases: dict[str, tuple[str, str]], tests: list[str]) -> dict[str, tuple[str, str]]:
+    """The cases that the patch's named tests (files, or file::test ids) select."""
+    return {node: v for node, v in cases.items() if any(node == t or node.startswith(f"{t}::") for t in tests)}
+
+
+def is_assertion(message: str, hang: bool) -> bool:
+    if "Timeout" in message:
+        return hang
+    return bool(_ASSERTION.match(message.strip()))
+
+
+def verdict(patch: Patch, level: str, outcome: Outcome) -> tuple[bool, str]:
+    cases = claimed(outcome.cases, patch.tests[level])
+    if not cases:
+        return False, f"the tests did not run (pytest exit {outcome.exit_code}):\n" + tail(outcome.log)
+    for node, (state, message) in cases.items():
+        if state == "failure" and is_assertion(message, patch.hang):
+            return True, f"killed by {node} ({short(message)})"
+    errors = [(n, s, m) for n, (s, m) in cases.items() if s in ("failure", "error")]
+    if errors:
+        node, state, message = errors[0]
+        return False, f"NOT KILLED BY AN ASSERTION: {node} ended in {state}: {short(message)}"
+    return False, f"SURVIVED: {' '.join(patch.tests[level])} pass with it"
+
+
+def short(message: str) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    return line if len(line) <= 160 else line[:159] + "…"
+
+
+def tail(log: str, n: int = 20) -> str:
+    return "\n".join(log.rstrip().splitlines()[-n:])
+
+
+def baseline(patches: list[Patch], level: str, clean: Path, py: str) -> list[str]:
+    """The named tests on the clean tree: what is wrong there (empty when every one passed)."""
+    tests = sorted({t for p in patches for t in p.tests.get(level, [])})
+    if not tests:
+        return []
+    outcome = run_tests(clean, tests, py, "clean")
+    wrong = []
+    for test in tests:
+        cases = claimed(outcome.cases, [test])
+        if not cases:
+            wrong.append(f"{test}: did not run on the clean tree (pytest exit {outcome.exit_code})")
+        wrong += [f"{n}: {s} on the clean tree: {short(m)}" for n, (s, m) in cases.items() if s != "passed"]
+    if wrong and outcome.exit_code not in (0, 1):
+        wrong.append(tail(outcome.log))
+    return wrong
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--unit", action="store_const", dest="levels", const=["unit"])
+    group.add_argument("--engine", action="store_const", dest="levels", const=["engine"])
+    group.add_argument("--all", action="store_const", dest="levels", const=["unit", "engine"])
+    parser.add_argument("--record", help="write the verdicts (date, commit, per patch) to this JSON file")
+    parser.add_argument("--dir", default=str(REPO / "tests" / "mutations"), help="where the patches are")
+    parser.add_argument("names", nargs="*")
+    ns = parser.parse_args(argv)
+    levels = ns.levels or ["unit"]
+    py = python_for_tests()
+    if subprocess.run([py, "-c", "import pytest"], capture_output=True).returncode != 0:
+        print(
+            f"mutations: pytest is not installed for {py}: nothing can be checked. Install the test tools "
+            "(SUMMIT_EXTRAS=cpu,test bash scripts/setup.sh, as README command 2 does)",
+            file=sys.stderr,
+        )
+        return 2
+    directory = Path(ns.dir)
+    names = ns.names or sorted(p.stem for p in directory.glob("*.patch"))
+    bad, verdicts = 0, []
+    patches = []
+    for name in names:
+        path = directory / f"{name}.patch"
+        if not path.is_file():
+            print(f"mutation {name}: no such patch ({path})")
+            bad = 1
+            continue
+        patches.append(Patch.read(path))
+    with tempfile.TemporaryDirectory(prefix="summit-mutations.") as scratch_dir:
+        scratch = Path(scratch_dir)
+        clean = scratch / "clean"
+        copy_tree(clean)
+        for level in levels:
+            missing = [p for p in patches if level not in p.tests and level not in p.why_none]
+            for p in missing:
+                print(f"mutation {p.name} ({level}): names no tests (`# {level}: TESTS`, or `# {level}: none: WHY`)")
+                verdicts.append({"patch": p.name, "level": level, "killed": False, "verdict": "names no tests"})
+                bad = 1
+            wrong = baseline(patches, level, clean, py)
+            if wrong:
+                print(f"mutations ({level}): the named tests do not all pass on the clean tree:")
+                print("\n".join(f"  {w}" for w in wrong))
+                return 1
+            for patch in patches:
+                if level in patch.why_none:
+                    print(f"mutation {patch.name} ({level}): {patch.why_none[level]}")
+                    verdicts.append(
+                        {"patch": patch.name, "level": level, "killed": None, "verdict": patch.why_none[level]}
+                    )
+                    continue
+                if level not in patch.tests:
+                    continue
+                tree = scratch / f"{patch.name}-{level}"
+                shutil.copytree(clean, tree)
+                applied = subprocess.run(["git", "apply", str(patch.path.resolve())], cwd=tree, capture_output=True)
+                if applied.returncode != 0:
+                    said = f"the patch no longer applies: update {patch.path} ({applied.stderr.decode().strip()})"
+                    killed = False
+                else:
+                    killed, said = verdict(
+                        patch, level, run_tests(tree, patch.tests[level], py, patch.name, first_failure=True)
+                    )
+                print(f"mutation {patch.name} ({level}): {said}", flush=True)
+                verdicts.append(
+                    {"patch": patch.name, "level": level, "killed": killed, "verdict": said.splitlines()[0]}
+                )
+                bad |= not killed
+                shutil.rmtree(tree, ignore_errors=True)
+    if ns.record:
+        write_record(Path(ns.record), levels, verdicts)
+    return bad
+
+
+def write_record(path: Path, levels: list[str], verdicts: list[dict]) -> None:
+    """The verdicts, each with the date and commit it was reached at, merged into `path`: a run of some patches
+    replaces their entries and keeps the others'."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    stamp = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": head + ("+uncommitted changes" if dirty else ""),
+    }
+    old = json.loads(path.read_text()) if path.exists() else {}
+    kept = {(v["patch"], v["level"]): v for v in old.get("verdicts", [])}
+    kept.update({(v["patch"], v["level"]): {**v, **stamp} for v in verdicts})
+    doc = {
+        "command": "bash scripts/mutations.sh --"
+        + ("all" if len(levels) == 2 else levels[0])
+        + f" --record {path.name}",
+        "verdicts": sorted(kept.values(), key=lambda v: (v["level"], v["patch"])),
+    }
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
