@@ -111,3 +111,32 @@ def pytest_xdist_make_scheduler(config, log):
             return "session-app" if path in SESSION_APP_MODULES else path
 
     return ModuleScheduling(config, log)
+
+
+def _repository_changes() -> set[str]:
+    """The repository's untracked files (`git status`: a file a test left in it shows here; ignored ones do not)."""
+    import subprocess
+
+    run = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+    )
+    return {line for line in run.stdout.splitlines() if line.startswith("??")} if run.returncode == 0 else set()
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or the only process), once
+        session.config._summit_repo_before = _repository_changes()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No test writes into the repository: what the run added to `git status` fails it, named."""
+    before = getattr(session.config, "_summit_repo_before", None)
+    if before is None:
+        return
+    added = sorted(_repository_changes() - before)
+    if added:
+        print(f"\nthe tests wrote into the repository (write under tmp_path instead): {added}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
