@@ -115,10 +115,12 @@ def test_a_failed_wake_answers_its_waiters_503_and_the_next_request_tries_again(
     _run(scenario())
 
 
-async def _two_sharing(min_awake_s: float) -> tuple[dict[str, FakeEngine], dict[str, Sleeper]]:
+async def _two_sharing(
+    min_awake_s: float, turns: GpuTurns | None = None
+) -> tuple[dict[str, FakeEngine], dict[str, Sleeper]]:
     """Models a and b on one GPU (fake engines), both started: a first, then b in its turn."""
     gpu: set[str] = set()
-    turns = GpuTurns()
+    turns = turns or GpuTurns()
     engines = {n: FakeEngine(n, gpu) for n in ("a", "b")}
     options = SleepOptions(min_awake_s=min_awake_s)
     sleepers = {n: Sleeper(e, options, LocalTurns(turns, n), n) for n, e in engines.items()}
@@ -129,11 +131,27 @@ async def _two_sharing(min_awake_s: float) -> tuple[dict[str, FakeEngine], dict[
 
 def test_models_sharing_a_gpu_take_turns_one_awake_and_never_mid_request():
     async def scenario():
-        engines, sleepers = await _two_sharing(min_awake_s=0.1)  # b's start waited for a's turn to end
+        turns = GpuTurns()
+        engines, sleepers = await _two_sharing(min_awake_s=0.1, turns=turns)  # b's start waited for a's turn to end
         assert engines["a"].calls == ["sleep1"] and sleepers["b"].awake and not sleepers["a"].awake
         log: list[str] = []
-        # b runs a long request; a's request must wait until it ended (never mid-request), then a wakes
-        await asyncio.gather(_use(sleepers["b"], 0.3, log, "b"), _after(0.05, _use(sleepers["a"], 0.0, log, "a")))
+        # b runs a request; a's request arrives while it runs and must wait for its end (never mid-request), then a
+        # wakes. b's request ends only once a is seen waiting for the GPU's turn (no wall-clock windows)
+        b_running, b_may_end = asyncio.Event(), asyncio.Event()
+
+        async def b_request() -> None:
+            async with sleepers["b"].use():
+                log.append("b start")
+                b_running.set()
+                await b_may_end.wait()
+                log.append("b end")
+
+        b = asyncio.create_task(b_request())
+        await b_running.wait()
+        a = asyncio.create_task(_use(sleepers["a"], 0.0, log, "a"))
+        await until(lambda: turns.state()["waiting"] == ["a"] or a.done())
+        b_may_end.set()
+        await asyncio.gather(a, b)
         assert log == ["b start", "b end", "a start", "a end"]
         assert engines["b"].calls == ["sleep1"] and engines["a"].calls == ["sleep1", "wake"]
         assert engines["a"].overlaps == engines["b"].overlaps == 0
