@@ -16,6 +16,7 @@ modules. Each module imports vLLM inside its functions, so importing the package
   failure      why an engine could not start, in the engine's own words (the control plane reads it back)
   versions     the vLLM versions Summit supports and was tested on; the installed one checked at each start
   registry     the architectures and quantization methods the installed vLLM accepts (its own registries)
+  responses_input  the /v1/responses input item vLLM's own conversion refuses (a 400 in place of its 500)
 """
 
 # vLLM's default batch size: the schema holds it (the schema imports no engine)
@@ -57,6 +58,7 @@ from deployments.engine.metrics import (
 )
 from deployments.engine.platform import CPU_RAY_PLATFORM_ENV, cpu_ray_platform
 from deployments.engine.registry import architecture_problem, quantization_problem
+from deployments.engine.responses_input import responses_input_problem, responses_request_schema
 from deployments.engine.serving import answer_in_process, background_response, stores_responses
 from deployments.engine.state import (
     check_engine_health,
@@ -125,6 +127,8 @@ __all__ = [
     "start_engine_app",
     "start_engine_client",
     "stores_responses",
+    "responses_input_problem",
+    "responses_request_schema",
     "tool_parser",
     "tool_parser_names",
     "unload_adapter",

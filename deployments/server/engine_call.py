@@ -16,6 +16,7 @@ import asyncio
 import logging
 import uuid
 
+from deployments.engine import responses_input_problem
 from deployments.http.asgi import end_after_disconnect
 from deployments.http.errors import OpenAIError, openai_error_bytes, request_problem, structured_output_problem
 from deployments.http.protocol import AVOID_HEADER, HOP_HEADERS, REPLICA_HEADER, REQUEST_ID_HEADER, header, without
@@ -228,6 +229,9 @@ class EngineCall:
             return OpenAIError(400, problem)
         if structured := structured_output_problem(self.ctx.body):
             field, message = structured
+            return OpenAIError(400, message, param=field)
+        if self.ctx.path == "/v1/responses" and (item := responses_input_problem(self.ctx.body)):
+            field, message = item
             return OpenAIError(400, message, param=field)
         return None
 

@@ -115,3 +115,23 @@ def test_seeded_fuzz_run_has_no_server_errors_leaks_or_hangs(summit):
     size, tracebacks = (a - b for a, b in zip(_serve_logs(summit), before))
     assert tracebacks <= 5, f"{tracebacks} tracebacks logged during {report.requests} fuzz requests"
     assert size < 2000 * report.requests, f"{size} bytes of Serve logs for {report.requests} requests"
+
+
+def test_every_responses_input_item_shape_is_answered(summit):
+    """Every branch of vLLM's `/v1/responses` input item union, every content part inside each, `null` and `[]`
+    (generated from the installed vLLM's request model: tests/responses_cases.py) answered 200 or an OpenAI-shaped
+    4xx, never a 500; where vLLM's own conversion raised (an assistant message whose content is a refusal part, or
+    empty), the 400 names `input[0]`. Fails if a shape vLLM answers 500 reaches the client as one."""
+    from deployments.engine import responses_request_schema
+    from tests.responses_cases import input_item_cases
+
+    answers = {}
+    with httpx.Client(base_url=summit.base_url, timeout=120) as client:
+        for name, items in input_item_cases(responses_request_schema()):
+            body = {"model": MODEL, "input": items, "max_output_tokens": 1}
+            r = client.post("/v1/responses", json=body)
+            answers[name] = (r.status_code, problem(r.status_code, r.headers, r.content, str(body)), r.text[:200])
+    bad = {name: a for name, a in answers.items() if a[1]}
+    assert not bad, bad
+    refusal = answers["message.content[refusal]"]
+    assert refusal[0] == 400 and '"param":"input[0]"' in refusal[2].replace(" ", ""), refusal
