@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 verdicts.append(
                     {"patch": patch.name, "level": level, "killed": killed, "verdict": said.splitlines()[0]}
                 )
+                if ns.record:  # as each verdict is reached: a long engine-level run interrupted keeps what it found
+                    write_record(Path(ns.record), levels, verdicts[-1:])
                 bad |= not killed
                 shutil.rmtree(tree, ignore_errors=True)
     if ns.record:
