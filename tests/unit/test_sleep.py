@@ -25,6 +25,10 @@ class FakeEngine:
         self.calls: list[str] = []
         self.overlaps = 0  # wakes that found another engine of the GPU awake
         self.fail_next_wake = False
+        self.running = lambda: (
+            0
+        )  # how many requests run on this engine (its Sleeper's in_flight, where a test links it)
+        self.slept_mid_request = 0  # sleeps asked for while a request ran on the engine
 
     async def start(self) -> str:
         self._up()
@@ -36,6 +40,7 @@ class FakeEngine:
         self.gpu.add(self.name)
 
     async def sleep(self, level: int) -> None:
+        self.slept_mid_request += self.running() > 0
         await asyncio.sleep(self.delay_s)
         self.gpu.discard(self.name)
         self.calls.append(f"sleep{level}")
@@ -146,13 +151,15 @@ def test_models_sharing_a_gpu_take_turns_one_awake_and_never_mid_request():
                 await b_may_end.wait()
                 log.append("b end")
 
+        engines["b"].running = lambda: sleepers["b"].in_flight
         b = asyncio.create_task(b_request())
         await b_running.wait()
         a = asyncio.create_task(_use(sleepers["a"], 0.0, log, "a"))
-        await until(lambda: turns.state()["waiting"] == ["a"] or a.done())
+        # b is asked to yield the GPU (it stops admitting) while its request runs: it must wait for it to end
+        await until(lambda: not sleepers["b"].admitting or a.done())
         b_may_end.set()
         await asyncio.gather(a, b)
-        assert log == ["b start", "b end", "a start", "a end"]
+        assert engines["b"].slept_mid_request == 0 and log == ["b start", "b end", "a start", "a end"], log
         assert engines["b"].calls == ["sleep1"] and engines["a"].calls == ["sleep1", "wake"]
         assert engines["a"].overlaps == engines["b"].overlaps == 0
         # what the real-engine test reads: a's wake began after b's sleep ended
