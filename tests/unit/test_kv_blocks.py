@@ -129,3 +129,25 @@ def test_an_offload_tiers_repeated_announcements_are_counted():
     blocks.apply({"type": "BlockRemoved", "block_hashes": [1], "medium": CPU})
     view.update(blocks.changes(view.epoch, view.seq))
     assert view.held(names) == 0
+
+
+def test_a_kv_claim_holds_within_its_window_and_lapses_after_it():
+    """Between a decision and its engine's KV events, the chosen replica counts as holding the request's blocks for
+    CLAIM_S (a burst of one new prefix is not spread), and not after: observed inside and past the window on the
+    policy's own clock. The case where claim and fallback disagree: the claimed replica is the one the first block's
+    hash does not pick between two idle replicas."""
+    import random
+
+    from deployments.routing.kv_policy import KVCachePolicy
+
+    now = [100.0]
+    policy = KVCachePolicy()
+    policy.clock = lambda: now[0]
+    hashes, loads = [11, 12, 13], {"r1": 0, "r2": 0}
+    by_hash, _ = policy.decide(hashes, loads, random.Random(0), {}, 16)
+    other = "r2" if by_hash == "r1" else "r1"
+    policy.claim(hashes, other)
+    now[0] += policy.CLAIM_S - 0.5
+    assert policy.decide(hashes, loads, random.Random(0), {}, 16)[0] == other  # inside the window: the claim
+    now[0] += 1.0
+    assert policy.decide(hashes, loads, random.Random(0), {}, 16)[0] == by_hash  # past it: the hash again
