@@ -468,3 +468,29 @@ def test_concurrent_calls_made_inside_one_serve_request_are_each_routed():
         assert len(chosen) == 3 and all(r.future.done() for r in shared)
 
     asyncio.run(scenario())
+
+
+def test_a_replica_chosen_for_an_adapter_holds_it_until_its_report_for_hold_s(monkeypatch):
+    """Between the router sending an adapter's first request to a replica and that replica's next routing-stats
+    report (every MODEL_STATS_PERIOD_S), the replica counts as holding the adapter for HOLD_S: the follow-up stays there
+    though the other replica is less loaded (one ongoing is within the imbalance), and after HOLD_S without a report
+    it goes by load. Observed inside and past the window on a patched clock. `Replica` is a fake of Serve's
+    RunningReplica (its id and routing stats)."""
+    from types import SimpleNamespace
+
+    from deployments.routing import routers
+
+    class Replica(SimpleNamespace):
+        pass
+
+    now = [500.0]
+    monkeypatch.setattr(routers.time, "monotonic", lambda: now[0])
+    replicas = [Replica(replica_id=SimpleNamespace(unique_id=r), routing_stats={}) for r in ("r1", "r2")]
+    policy = routers._AdapterAffinity()
+    first, outcome = policy.decide("tiny-sql", {"r1": 0, "r2": 0}, replicas)
+    other = "r2" if first == "r1" else "r1"
+    loads = {first: 1, other: 0}  # the first request still runs there
+    now[0] += policy.HOLD_S - 1
+    assert (outcome, policy.decide("tiny-sql", loads, replicas)) == ("new", (first, "hit"))
+    now[0] += policy.HOLD_S + 1
+    assert policy.decide("tiny-sql", loads, replicas) == (other, "new")  # no report came: by load
