@@ -494,3 +494,22 @@ def test_a_replica_chosen_for_an_adapter_holds_it_until_its_report_for_hold_s(mo
     assert (outcome, policy.decide("tiny-sql", loads, replicas)) == ("new", (first, "hit"))
     now[0] += policy.HOLD_S + 1
     assert policy.decide("tiny-sql", loads, replicas) == (other, "new")  # no report came: by load
+
+
+def test_a_resumed_streams_dead_replica_is_in_no_rank_though_its_session_points_there():
+    """A continuation after its engine died carries the dead replica's id (AVOID_HEADER): the router leaves that
+    replica out of every rank, though the session's own replica is that one (the case where the hint and affinity
+    disagree). Ranked anywhere, Serve could send it there and only a retry would hide it: the ranks are asserted."""
+    from deployments.http.protocol import AVOID_HEADER
+
+    async def scenario():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router = make_router(SessionAffinityRouter, [a, b])
+        session = [(b"x-session-id", b"conversation-avoid")]
+        home = await route(router, pending({"messages": []}, session))
+        resumed = pending({"messages": []}, [*session, (AVOID_HEADER, home.encode())])
+        ranks = await router.choose_replicas([a, b], resumed)
+        ranked = [r.replica_id.unique_id for rank in ranks for r in rank]
+        assert ranked and home not in ranked, ranked
+
+    asyncio.run(scenario())
