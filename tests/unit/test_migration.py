@@ -465,3 +465,16 @@ def test_kv_plan_says_why_a_stream_recomputes():
     assert kv_plan(r, kv, True) is None
     assert kv_plan(r, kv, False) == "its engine died (the KV went with it)"
     assert kv_plan(r, None, True) == "kv_migration is off"
+
+
+def test_a_continuation_counts_min_and_max_tokens_from_the_original_start():
+    """A stream moved after 2 tokens goes on with what is left of its own bounds: max_tokens 10 → 8, min_tokens 5 → 3
+    (counted from the original request's start, not from the move: the client gets 10 at most and 5 at least in all);
+    past min_tokens, none is asked. Completions and chat alike."""
+    for path, limit in (("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_completion_tokens")):
+        r = Resumable(path, {"prompt": "x", "messages": [], limit: 10, "min_tokens": 5}, "m", b"req-1")
+        r.prompt_ids, r.generated = [1, 2, 3], [5, 6]
+        body = json.loads(r.continuation().body)
+        assert (body["max_tokens"], body["min_tokens"]) == (8, 3), (path, body)
+        r.generated = [5, 6, 7, 8, 9, 10]
+        assert json.loads(r.continuation().body)["min_tokens"] == 0, path
