@@ -106,6 +106,8 @@ def run_tests(tree: Path, tests: list[str], py: str, name: str, first_failure: b
     junit = tree.parent / f"{tree.name}.xml"
     env = {**os.environ, "PYTHONPATH": str(tree), "SUMMIT_MUTATION": name}
     stop = ["-x"] if first_failure else []
+    # a hang is no kill (unless the patch says so): each test has a bound (pytest-timeout, as the suite's)
+    stop += ["--timeout", "300" if all(t.startswith("tests/unit/") for t in tests) else "900"]
     run = subprocess.run(
         [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *stop, f"--junitxml={junit}", *tests],
         cwd=tree,

@@ -301,7 +301,11 @@ def test_admission_runs_ongoing_queues_queued_and_rejects_the_rest_openai_shaped
         for _ in range(50):  # every task runs until it waits (no clock)
             await asyncio.sleep(0)
         assert engine.running == 2  # the third waits in the front, not in the engine
-        rejected = [await call(app, "POST", "/v1/completions", body) for _ in range(2)]
+        extra = [asyncio.create_task(call(app, "POST", "/v1/completions", body)) for _ in range(2)]
+        while not all(t.done() for t in extra) and admission._waiting == 1:  # answered, or queued behind the third
+            await asyncio.sleep(0.01)
+        assert all(t.done() for t in extra), f"the 4th and 5th were queued ({admission._waiting} waiting), not refused"
+        rejected = [t.result() for t in extra]
         engine.gate.set()
         done = await asyncio.gather(*admitted)
         after = await call(app, "POST", "/v1/completions", {"model": "a", "prompt": "y"})
@@ -330,8 +334,8 @@ def test_a_client_that_leaves_while_queued_frees_its_place():
             await asyncio.sleep(0.01)
         full = await call(app, "POST", "/v1/completions", body)
         waiting.cancel()  # the queued client goes
-        while admission._waiting > 0:  # its place is free
-            await asyncio.sleep(0.01)
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert admission._waiting == 0, "the client that left still holds its place in the queue"
         queued_again = asyncio.create_task(call(app, "POST", "/v1/completions", body))
         while admission._waiting < 1:
             await asyncio.sleep(0.01)
