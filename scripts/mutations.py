@@ -142,7 +142,11 @@ def read_junit(path: Path) -> dict[str, tuple[str, str]]:
 
 def claimed(cases: dict[str, tuple[str, str]], tests: list[str]) -> dict[str, tuple[str, str]]:
     """The cases that the patch's named tests (files, or file::test ids) select."""
-    return {node: v for node, v in cases.items() if any(node == t or node.startswith(f"{t}::") for t in tests)}
+    return {
+        node: v
+        for node, v in cases.items()
+        if any(node == t or node.startswith((f"{t}::", f"{t}[")) for t in tests)  # a file, a test, its parameters
+    }
 
 
 def is_assertion(message: str, hang: bool) -> bool:
