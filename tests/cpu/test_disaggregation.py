@@ -187,7 +187,8 @@ def test_decode_loads_the_prompt_kv_and_answers_as_aggregated(pd_app, http, kv_d
     lines = dict(pd_phase_lines(pd_app.temp_dir / "session_latest" / "logs" / "serve"))
     assert ids[AGG] not in lines, lines  # an aggregated request has no such phases
     phases = lines[ids[PD]]
-    assert phases["prefill"] > 0 and phases["first_token"] > 0 and phases["stream"] > 0, phases  # 16 tokens: a stream
+    # an unstreamed answer comes at once: its stream phase is ~0 (no conjunct for it: `>= 0` could not fail)
+    assert phases["prefill"] > 0 and phases["first_token"] > 0, phases
 
 
 def test_streams_chat_n_and_stop_behave_as_aggregated(http):
