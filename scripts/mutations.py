@@ -132,8 +132,7 @@ def read_junit(path: Path) -> dict[str, tuple[str, str]]:
         for tag in ("failure", "error", "skipped"):
             element = case.find(tag)
             if element is not None:
-                message = element.get("message") or (element.text or "").strip().splitlines()[-1:] or [""]
-                found = (tag, message if isinstance(message, str) else message[0])
+                found = (tag, element.get("message") or ((element.text or "").strip().splitlines() or [""])[-1])
                 break
         if found[0] == "failure" or cases.get(node, ("passed",))[0] == "passed":
             cases[node] = found

@@ -120,12 +120,10 @@ def test_a_failed_wake_answers_its_waiters_503_and_the_next_request_tries_again(
     _run(scenario())
 
 
-async def _two_sharing(
-    min_awake_s: float, turns: GpuTurns | None = None
-) -> tuple[dict[str, FakeEngine], dict[str, Sleeper]]:
+async def _two_sharing(min_awake_s: float) -> tuple[dict[str, FakeEngine], dict[str, Sleeper]]:
     """Models a and b on one GPU (fake engines), both started: a first, then b in its turn."""
     gpu: set[str] = set()
-    turns = turns or GpuTurns()
+    turns = GpuTurns()
     engines = {n: FakeEngine(n, gpu) for n in ("a", "b")}
     options = SleepOptions(min_awake_s=min_awake_s)
     sleepers = {n: Sleeper(e, options, LocalTurns(turns, n), n) for n, e in engines.items()}
@@ -136,8 +134,7 @@ async def _two_sharing(
 
 def test_models_sharing_a_gpu_take_turns_one_awake_and_never_mid_request():
     async def scenario():
-        turns = GpuTurns()
-        engines, sleepers = await _two_sharing(min_awake_s=0.1, turns=turns)  # b's start waited for a's turn to end
+        engines, sleepers = await _two_sharing(min_awake_s=0.1)  # b's start waited for a's turn to end
         assert engines["a"].calls == ["sleep1"] and sleepers["b"].awake and not sleepers["a"].awake
         log: list[str] = []
         # b runs a request; a's request arrives while it runs and must wait for its end (never mid-request), then a
@@ -191,11 +188,6 @@ def test_a_busy_model_yields_the_gpu_after_min_awake_s_so_the_other_is_not_starv
             s.stop()
 
     _run(scenario())
-
-
-async def _after(delay_s: float, coro) -> None:
-    await asyncio.sleep(delay_s)
-    await coro
 
 
 def test_turns_go_in_arrival_order_and_a_holder_whose_process_is_gone_loses_its_turn():
