@@ -102,20 +102,115 @@ def copy_tree(to: Path) -> None:
 
 def run_tests(tree: Path, tests: list[str], py: str, name: str, first_failure: bool = False) -> Outcome:
     """The tests on `tree`; with `first_failure`, up to the first that fails (a mutated tree: its verdict is that
-    failure's, so a test that errors first is not a kill even where a later one would have failed on an assertion)."""
+    failure's, so a test that errors first is not a kill even where a later one would have failed on an assertion).
+    Unit tests run in a child forked from one warm Python (`_forks`); engine tests in a Python of their own."""
     junit = tree.parent / f"{tree.name}.xml"
-    env = {**os.environ, "PYTHONPATH": str(tree), "SUMMIT_MUTATION": name}
-    stop = ["-x"] if first_failure else []
+    env = {"PYTHONPATH": str(tree), "SUMMIT_MUTATION": name}
+    unit = all(t.startswith("tests/unit/") for t in tests)
+    args = ["-q", "-p", "no:cacheprovider", *(["-x"] if first_failure else [])]
     # a hang is no kill (unless the patch says so): each test has a bound (pytest-timeout, as the suite's)
-    stop += ["--timeout", "300" if all(t.startswith("tests/unit/") for t in tests) else "900"]
-    run = subprocess.run(
-        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *stop, f"--junitxml={junit}", *tests],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    return Outcome(run.returncode, read_junit(junit), run.stdout + run.stderr)
+    args += ["--timeout", "300" if unit else "900", f"--junitxml={junit}", *tests]
+    if unit:
+        code, log = _forks(py).run(tree, args, env)
+    else:
+        run = subprocess.run(
+            [py, "-m", "pytest", *args], cwd=tree, env={**os.environ, **env}, capture_output=True, text=True
+        )
+        code, log = run.returncode, run.stdout + run.stderr
+    return Outcome(code, read_junit(junit), log)
+
+
+# The unit tests' plugins, loaded by name (no other installed plugin's import on each run): pytest-timeout for the
+# bound, xdist for the hook tests/conftest.py declares.
+UNIT_PLUGINS = ["-p", "xdist.plugin", "-p", "pytest_timeout"]
+# Imported once by the warm Python before it forks: what each unit-test run would import again (Ray's is 2 s of it).
+# Nothing of Summit's: each child imports those from its own tree. HEAVY too where several patches run: the
+# tokenizer (7 s) that the routing, stream and sbatch tests load. Not vLLM: its import runs Summit's vLLM plugins
+# (pyproject's entry points), which would import Summit's modules from the repository instead of each tree.
+WARM = ("pytest", "xdist.plugin", "pytest_timeout", "ray.serve", "fastapi", "httpx", "pydantic", "yaml", "psutil")
+HEAVY = ("transformers:AutoTokenizer",)
+SUMMIT = ("app", "deployments", "tests", "scripts", "bench")
+
+
+class Forks:
+    """A Python (the one with the test tools) that imported pytest and the heavy libraries once and forks a child
+    for each unit-test run: the child enters its tree (sys.path, cwd, environment) and runs pytest there; a run
+    costs its tests, not 4 s of imports and plugin loading."""
+
+    def __init__(self, py: str, warm: list[str]):
+        self.proc = subprocess.Popen(
+            [py, str(Path(__file__).resolve()), "--forks", *warm],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+        )
+
+    def run(self, tree: Path, args: list[str], env: dict[str, str]) -> tuple[int, str]:
+        log = tree.parent / f"{tree.name}.log"
+        job = {"tree": str(tree), "args": UNIT_PLUGINS + args, "env": env, "log": str(log)}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the warm Python ended (exit {self.proc.wait()})")
+        return int(answer), log.read_text(errors="replace") if log.exists() else ""
+
+
+_warm: dict[str, Forks] = {}
+HEAVY_FROM = 3  # patches in a run from which HEAVY is worth its 12 s once
+
+
+def _forks(py: str, patches: int = 1) -> Forks:
+    if py not in _warm:
+        _warm[py] = Forks(py, list(WARM) + (list(HEAVY) if patches >= HEAVY_FROM else []))
+    return _warm[py]
+
+
+def serve_forks(warm: list[str]) -> int:
+    """`mutations.py --forks MODULE[:ATTR]...` (run by the test Python): import those, then for each job line on stdin
+    fork a child that runs pytest in the job's tree with its output in the job's log; answer each with the exit
+    code."""
+    import importlib
+
+    for name in warm:
+        module, _, attr = name.partition(":")
+        try:
+            loaded = importlib.import_module(module)
+            if attr:
+                getattr(loaded, attr)  # a lazy module's attribute loads what it names
+        except Exception:  # noqa: BLE001 — a module not installed here is imported by the child if it needs it
+            pass
+    ours = sorted(m for m in sys.modules if m.split(".")[0] in SUMMIT)
+    if ours:  # a child would test these (the repository's) instead of its tree's
+        print(f"mutations: warming imported Summit's own modules: {ours[:5]}", file=sys.stderr)
+        return 3
+    for line in sys.stdin:
+        job = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 70
+            try:
+                fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                os.chdir(job["tree"])
+                sys.path.insert(0, job["tree"])
+                os.environ.update(job["env"])
+                import pytest
+
+                code = int(pytest.main(job["args"]))
+            except BaseException as e:  # noqa: BLE001 — the child says why and ends, whatever happened
+                print(f"mutations: the test run could not start: {e!r}", file=sys.stderr)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+    return 0
 
 
 def read_junit(path: Path) -> dict[str, tuple[str, str]]:
@@ -232,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(scratch_dir)
         clean = scratch / "clean"
         copy_tree(clean)
+        _forks(py, len(patches))
         for level in levels:
             missing = [p for p in patches if level not in p.tests and level not in p.why_none]
             for p in missing:
@@ -304,4 +400,4 @@ def write_record(path: Path, levels: list[str], verdicts: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve_forks(sys.argv[2:]) if sys.argv[1:2] == ["--forks"] else main())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-# one run of every patch (the module's fixture): 4-5 minutes on a quiet 2-core box, more beside the engine suites
+# one run of every patch (the module's fixture): 2.5 minutes on a quiet 2-core box, more beside the engine suites
 pytestmark = pytest.mark.timeout(1800)
 
 REPO = Path(__file__).resolve().parents[2]
