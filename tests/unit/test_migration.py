@@ -404,6 +404,7 @@ def test_a_moved_stream_hands_its_kv_off_and_goes_on_from_it_elsewhere():
     r, moved = move_after_step(app, engine)
     assert texts(r) == " t0 t1 t2 t3 t4 t5" and r.text.count("[DONE]") == 1 and '"error"' not in r.text
     # the hand-off: prompt + tokens so far, one token, the KV kept for a remote decode (vLLM's protocol)
+    assert len(engine.bodies) == 2, f"no hand-off request reached the engine: {engine.bodies}"
     hand_off = engine.bodies[1]
     assert hand_off["prompt"] == [1, 2, 100, 101, 102] and hand_off["max_tokens"] == 1 and not hand_off["stream"]
     assert hand_off["kv_transfer_params"]["do_remote_decode"] is True

@@ -203,24 +203,27 @@ class FakeStreamingEngineApp:
 
     async def __call__(self, scope, receive, send):
         await receive()  # the body
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        stream = asyncio.ensure_future(self._stream(send))
 
-        async def listen() -> None:  # as Starlette's StreamingResponse listens for the client's disconnect
+        async def listen() -> None:  # as Starlette's StreamingResponse: a disconnect cancels the stream
             if (await receive())["type"] == "http.disconnect":
                 self.aborted.set()
+                stream.cancel()
 
         listener = asyncio.ensure_future(listen())
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         try:
-            for i in range(1, self.n + 1):
-                await self.allowed.acquire()
-                if self.aborted.is_set():
-                    return
-                await send({"type": "http.response.body", "body": chunk(i), "more_body": True})
-                self.sent = i
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-            self.finished.set()
+            await asyncio.wait({stream})
         finally:
             listener.cancel()
+
+    async def _stream(self, send) -> None:
+        for i in range(1, self.n + 1):
+            await self.allowed.acquire()
+            await send({"type": "http.response.body", "body": chunk(i), "more_body": True})
+            self.sent = i
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        self.finished.set()
 
 
 def streaming_front(resume: bool):
