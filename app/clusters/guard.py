@@ -1,8 +1,10 @@
 """A server's guard: `python -m app.clusters.guard PARENT_PID -- COMMAND...` runs COMMAND (e.g. `serve run`) and
 makes sure nothing it started outlives the guard's parent (`summit serve-local`), however that parent ends.
 
-- The kernel's parent-death signal (prctl PR_SET_PDEATHSIG): the guard gets SIGTERM when its parent dies, even by
-  SIGKILL or a closed terminal; it then stops everything under it.
+- The kernel's parent-death signal (prctl PR_SET_PDEATHSIG): the guard gets SIGHUP when its parent dies, even by
+  SIGKILL or a closed terminal, says so on its stdout and stops everything under it. The kernel sends it again as
+  each of the dying parent's threads exits: the first one starts the stop, and the stop ignores the rest (one that
+  cut it short left the whole server running, seen in CI).
 - A child subreaper (prctl PR_SET_CHILD_SUBREAPER): a process under the guard whose parent exits (Ray's daemons when
   `serve run` goes, HAProxy daemonizing itself) is re-parented to the guard instead of to init, so the guard's
   process tree holds every process the server started.
@@ -80,19 +82,41 @@ def _pass_on(source, sink) -> None:
 
 
 class _Stop(Exception):
-    """A stop signal (SIGTERM: the parent died or stops us; SIGINT; SIGHUP) while waiting."""
+    """A stop signal while waiting: SIGHUP (the parent died), SIGTERM (the parent stops us), SIGINT."""
 
 
-def _raise_stop(*_) -> None:
-    raise _Stop
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PARENT_DIED = signal.SIGHUP  # the parent-death signal: the guard has no terminal to send it one
+
+
+def _raise_stop(signum, _frame) -> None:
+    for sig in STOPS:
+        signal.signal(sig, signal.SIG_IGN)  # first: a second signal cannot cut the stop short
+    raise _Stop(signum)
+
+
+def _say(text: str) -> None:
+    """A line on the guard's stdout (the user's terminal, where its parent's stderr went with the parent)."""
+    try:
+        os.write(1, f"summit: {text}\n".encode())
+    except OSError:
+        pass
+
+
+def _pass_on_thread(source, sink) -> threading.Thread:
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # the main thread's: its waitpid wakes for the stop
+        _pass_on(source, sink)
+
+    return threading.Thread(target=run, daemon=True)
 
 
 def main(argv: list[str]) -> int:
     parent, command = int(argv[0]), argv[argv.index("--") + 1 :]
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(PR_SET_PDEATHSIG, PARENT_DIED)
     me = psutil.Process()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOPS:
         signal.signal(sig, _raise_stop)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     code = None
@@ -101,7 +125,7 @@ def main(argv: list[str]) -> int:
             return 1
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            threading.Thread(target=_pass_on, args=(source, sink), daemon=True).start()
+            _pass_on_thread(source, sink).start()
         while code is None:
             try:  # reap every child: COMMAND, and the orphans re-parented to this subreaper
                 pid, status = os.waitpid(-1, 0)
@@ -110,11 +134,18 @@ def main(argv: list[str]) -> int:
             if pid == child.pid:
                 code = os.waitstatus_to_exitcode(status)
                 child.returncode = code
-    except _Stop:
-        pass
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)  # the stop runs to its end
-    stop_tree(me)
+        for sig in STOPS:
+            signal.signal(sig, signal.SIG_IGN)  # the stop runs to its end
+    except _Stop as stop:
+        if stop.args[0] == PARENT_DIED:
+            left = len(me.children(recursive=True))
+            _say(f"the serving command died; its guard stops the {left} processes it started")
+    for _ in range(2):
+        try:
+            stop_tree(me)
+            break
+        except Exception as e:  # noqa: BLE001 — said, then once more: nothing may outlive the guard
+            _say(f"stopping the server's processes: {e!r}")
     if code is None:
         return 143
     return code if code >= 0 else 128 - code

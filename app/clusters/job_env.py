@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -136,7 +137,7 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
         "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         # stats and metrics on loopback (app/clusters/haproxy.py), as scripts/serve.sh runs it
-        "RAY_SERVE_HAPROXY_BINARY_PATH": shutil.which("summit-haproxy") or "",
+        "RAY_SERVE_HAPROXY_BINARY_PATH": summit_haproxy() or "",
         # replicas' own HTTP and gRPC ports: a window per cluster (Serve's default 30000+ / 40000+ is one per machine,
         # and two test clusters side by side would both take 30000)
         **{
@@ -237,9 +238,15 @@ def job_exports(state_dir: Path, config: Path, config_out: Path) -> dict[str, st
 def direct_path_exports() -> dict[str, str]:
     """`summit direct-path-env`: the direct path's environment, with Summit's HAProxy wrapper where installed."""
     env = dict(DIRECT_PATH_ENV)
-    if binary := shutil.which("summit-haproxy"):
+    if binary := summit_haproxy():
         env["RAY_SERVE_HAPROXY_BINARY_PATH"] = binary
     return env
+
+
+def summit_haproxy() -> str | None:
+    """Summit's HAProxy wrapper: beside this Python (a venv's bin, used without activating it), else on PATH."""
+    beside = Path(sys.executable).with_name("summit-haproxy")
+    return str(beside) if beside.exists() else shutil.which("summit-haproxy")
 
 
 def exports(env: dict[str, str]) -> str:

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,25 +40,31 @@ def until(predicate, timeout_s: float) -> bool:
     return predicate()
 
 
-def test_a_sigkilled_parent_leaves_nothing_of_what_the_guard_started():
-    """The parent (standing for `summit serve-local`) starts the guard over a shell that starts a child and a process
-    in a new session whose parent exits (re-parented: to init without the guard's subreaper). SIGKILL the parent: the
-    kernel's parent-death signal reaches the guard, which stops both. Fails with either prctl missing."""
+@pytest.mark.parametrize("threads", [0, 8])
+def test_a_sigkilled_parent_leaves_nothing_of_what_the_guard_started(threads):
+    """The parent (standing for `summit serve-local`, which has threads of its own) starts the guard over a shell that
+    starts a child and a process in a new session whose parent exits (re-parented: to init without the guard's
+    subreaper). SIGKILL the parent: the kernel's parent-death signal reaches the guard (again as each of the parent's
+    threads exits), which says so and stops both. Fails with either prctl missing."""
     mark = f"guard-test-{uuid.uuid4().hex}"
     command = f"(setsid bash -c 'exec -a {mark}-orphan sleep 301' &); exec -a {mark}-main sleep 302"
     parent = textwrap.dedent(f"""
-        import os, subprocess, sys, time
+        import os, subprocess, sys, threading, time
+        for _ in range({threads}):
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
         subprocess.Popen([sys.executable, "-m", "app.clusters.guard", str(os.getpid()), "--", "bash", "-c",
                           {command!r}], start_new_session=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert until(lambda: len(marked(mark)) == 2, 30), [p.info["cmdline"] for p in marked(mark)]
         (orphan,) = [p for p in marked(mark) if p.info["cmdline"][0].endswith("-orphan")]
         assert orphan.ppid() != 1, "the guard (a subreaper) should have adopted the process whose parent left"
         proc.kill()
         assert until(lambda: not marked(mark), 10), [p.info["cmdline"] for p in marked(mark)]
+        said, _ = proc.communicate(timeout=30)  # the guard's stdout: the parent's, until the guard has gone
+        assert "summit: the serving command died; its guard stops the 2 processes it started" in said, said
     finally:
         proc.kill()
         for p in marked(mark):
