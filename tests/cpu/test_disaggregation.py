@@ -382,7 +382,7 @@ def test_the_prefill_pool_routes_by_what_its_engine_caches(pd_app, http):
         seen.update(decisions())
         return sum(seen.values()) >= sum(before.values()) + 2
 
-    assert wait_for(both_in, 180, 2), (before, seen)  # both prefill calls, decided by KV cache
+    assert wait_for(both_in, 300, 2), (before, seen)  # both prefill calls, decided by KV cache
     assert seen["hit"] >= before["hit"] + 1, (before, seen)  # the second found the document's blocks
 
 
@@ -446,7 +446,8 @@ def test_a_prefill_engine_killed_with_requests_in_flight_falls_back_to_the_decod
     before = decode_counters(pd_app)
     with ThreadPoolExecutor(n) as pool, paused(cores):  # the requests wait in the prefill engine until it dies
         answers = [pool.submit(complete, http, PD, document(30 + i)) for i in range(n)]
-        held = wait_for(lambda: prefill_stats(pd_app)["num_unfinished_requests"] == n, 60, interval_s=1)
+        # a bound, not a timing: at a load average of 50 three of the six were still on their way after 60 s
+        held = wait_for(lambda: prefill_stats(pd_app)["num_unfinished_requests"] == n, 240, interval_s=1)
         assert held, f"the prefill engine never held the {n} requests: {prefill_stats(pd_app)}"
         for proc in cores:
             proc.kill()  # SIGKILL ends a stopped process
