@@ -175,26 +175,42 @@ def replica_pids(features_app) -> dict[str, int]:
     return {replica: s["pid"] for replica, s in stats.items()}
 
 
-def test_an_adapter_stays_on_its_busy_replica_where_load_would_send_it_away(features_app, client):
-    """The case where adapter affinity and load disagree: the replica that loaded the adapter holds one of its
-    streams (its engine paused), the other replica none. The adapter's next request must still go to the replica
+def test_an_adapter_stays_on_its_busy_replica_where_load_would_send_it_away(
+    features_app, client, tiny_model_dir, tmp_path
+):
+    """The case where adapter affinity and load disagree: the one replica that holds the adapter (loaded at run time
+    for this test: the YAML's adapters are on both replicas by now, and then either replica is its home) holds one of
+    its streams (its engine paused), the other replica none. The adapter's next request must still go to the replica
     holding it (one ongoing is within the imbalance); a base-model request sent at that moment, routed by load, goes
     to the idle one (the control: the router saw the load). With adapter tracking dropped
     (tests/mutations/adapter-tracking-dropped.patch) the adapter goes by load too, and this fails."""
-    name = ADAPTERS[1]
-    home = complete(client, name, prompt="Warm the adapter.")[1]
-    long = {"max_tokens": 500, "ignore_eos": True}
-    pids = replica_pids(features_app)
-    with httpx.Client(base_url=features_app.base_url, headers=AUTH, timeout=120) as h, held_streams(h) as held:
-        assert held.open("/v1/completions", {"model": name, "prompt": "A long answer, please.", **long}) == home
-        held.pause(engine_core_processes(pids[home]))  # its stream stays ongoing; the other replica runs on
-        follow_up = held.open("/v1/completions", {"model": name, "prompt": "And another.", **long})
-        control = held.open("/v1/completions", {"model": MODEL, "prompt": "Anyone?", **long})
-    assert control != home, "a base-model request should go to the idle replica: the router saw no load"
-    if follow_up != home:  # what each replica reports loaded: the router's view of who holds the adapter
-        reports = probe(features_app.address, "each", APP, POOL, "adapters", "--replicas", str(REPLICAS))
-        loaded = {r: s["loaded"] for r, s in reports.items() if s["loaded"]}
-        pytest.fail(f"the adapter's request left {home}, which holds it, for the idle {follow_up}; loaded: {loaded}")
+    name = "tiny-home"
+    load = {"lora_name": name, "lora_path": str(make_tiny_lora(tiny_model_dir, tmp_path / name, seed=21))}
+    r = httpx.post(features_app.base_url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    try:
+        held_by = lambda: {  # noqa: E731 — what each replica reports loaded: the router's view of who holds it
+            r: s["loaded"]
+            for r, s in probe(features_app.address, "each", APP, POOL, "adapters", "--replicas", str(REPLICAS)).items()
+            if name in s["loaded"]
+        }
+        holders = held_by()
+        assert len(holders) == 1, f"the premise: one replica holds {name}: {holders}"
+        (home,) = holders
+        assert complete(client, name, prompt="Warm the adapter.")[1] == home, "idle replicas: the adapter's home"
+        long = {"max_tokens": 500, "ignore_eos": True}
+        pids = replica_pids(features_app)
+        with httpx.Client(base_url=features_app.base_url, headers=AUTH, timeout=120) as h, held_streams(h) as held:
+            assert held.open("/v1/completions", {"model": name, "prompt": "A long answer, please.", **long}) == home
+            held.pause(engine_core_processes(pids[home]))  # its stream stays ongoing; the other replica runs on
+            follow_up = held.open("/v1/completions", {"model": name, "prompt": "And another.", **long})
+            control = held.open("/v1/completions", {"model": MODEL, "prompt": "Anyone?", **long})
+        assert control != home, "a base-model request should go to the idle replica: the router saw no load"
+        assert follow_up == home, f"the adapter's request left {home}, which holds it, for {follow_up}: {held_by()}"
+    finally:
+        httpx.post(
+            features_app.base_url + "/v1/unload_lora_adapter", json={"lora_name": name}, headers=AUTH, timeout=60
+        )
 
 
 def test_kv_cache_routing_sends_a_document_back_to_the_replica_that_cached_it(features_app, client):
