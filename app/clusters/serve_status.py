@@ -111,10 +111,14 @@ def _failure(app: dict, final: bool) -> Verdict | None:
     """A failure of this application: a replica's record that says another attempt would fail the same way, or, once
     Serve failed the application, its record or its builder's exception line."""
     messages = [d.get("message") or "" for d in (app.get("deployments") or {}).values()] + [app.get("message") or ""]
+    deployed = app.get("last_deployed_time_s") or 0.0
     for message in messages:
         record = StartFailure.from_text(message)
-        if record is not None and (final or not record.retry):
-            return Verdict("failed", _sentence(record), record)
+        if record is None or not (final or not record.retry):
+            continue
+        if not final and record.began is not None and record.began < deployed:
+            continue  # a replica of the config this deploy replaced: Serve's message has not caught up yet
+        return Verdict("failed", _sentence(record), record)
     if not final:
         return None
     for message in messages:

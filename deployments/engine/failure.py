@@ -118,6 +118,7 @@ class StartFailure:
     fix: str
     retry: bool  # another attempt could succeed (a killed process); a config error fails the same way again
     log: str | None = None  # where the replica's output is: "NODE:PATH"
+    began: float | None = None  # when the replica began this start (epoch s): a record older than a redeploy is stale
 
     def message(self) -> str:
         """The exception's message: a sentence, then the record (one JSON line after MARKER)."""

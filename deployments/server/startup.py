@@ -4,11 +4,13 @@ and what the replica knows of itself (its id, its rank, its models' /v1/models c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import logging.handlers
 import os
 import threading
+import time
 
 from ray import serve
 
@@ -28,11 +30,12 @@ def said_why(model: str, output):
     another attempt would repeat."""
     from deployments import engine
 
+    began = time.time()
     try:
         yield
     except Exception as e:  # noqa: BLE001 — any start failure is reported, in the engine's words
         where = f"{_node_ip()}:{output.where}" if output.where else None
-        failure = engine.start_failure(model, e, output.lines, where)
+        failure = dataclasses.replace(engine.start_failure(model, e, output.lines, where), began=began)
         logger.error("%s", failure.message())
         raise engine.EngineStartFailed(failure) from e
 

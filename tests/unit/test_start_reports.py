@@ -82,6 +82,23 @@ def test_a_failure_another_attempt_would_repeat_ends_the_wait_while_serve_still_
     assert verdict({"app": {"status": "RUNNING", "deployments": {}}}, ["app"]).state == "running"
 
 
+def test_a_failure_of_the_config_a_redeploy_replaced_does_not_end_the_wait():
+    """`serve deploy` of a fixed YAML right after a failed one: until Serve's message catches up it still holds the old
+    replica's record. A record from a replica that began before the application's last deploy is not this deploy's
+    failure (seen in a fresh-clone run: the next case's wait-ready reported the previous case's error); one that
+    began after it is, and once Serve fails the application its record stands whatever its time."""
+
+    def at(began: float, status: str = "DEPLOYING") -> dict:
+        message = engine.StartFailure("tiny-llama", "weights", "the old one", "fix", False, began=began).message()
+        apps = apps_with(message, status=status)
+        apps["app"]["last_deployed_time_s"] = 1000.0
+        return apps
+
+    assert verdict(at(990.0), ["app"]).state == "starting"  # the replaced config's replica
+    assert verdict(at(1003.0), ["app"]).state == "failed"  # this deploy's
+    assert verdict(at(990.0, status="DEPLOY_FAILED"), ["app"]).state == "failed"
+
+
 class FakeDashboard:
     """A fake of Ray's dashboard: Serve's applications as given, and what each replica's process wrote."""
 
