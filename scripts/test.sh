@@ -2,7 +2,7 @@
 # README command 2: set up, check the house (lint, format, import layers), then run every test (unit, then the
 # real-engine CPU suite; GPU tests skip without CUDA). Three pytest workers (SUMMIT_TEST_WORKERS; 0 = one process) on
 # 2 cores (2 workers: ~48 min from a fresh clone when the suite waited as much as it computed; 3: 29-33 min, the box
-# at 2.0 cores throughout: tests/README.md). Each module, and the session app's modules together, run on one worker
+# at 2.0 cores throughout; 32 min at da9dc1e with the mutation check: tests/README.md). Each module, and the session app's modules together, run on one worker
 # (tests/conftest.py).
 # SUMMIT_TEST_LONG=1 adds the long tier (tests marked `long`: the launcher, PP across two nodes, offline batch, ...;
 # tests/README.md).
