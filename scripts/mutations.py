@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(scratch_dir)
         clean = scratch / "clean"
         copy_tree(clean)
-        _forks(py, len(patches))
+        if "unit" in levels:
+            _forks(py, len(patches))  # warmed once, with what this many patches are worth
         for level in levels:
             missing = [p for p in patches if level not in p.tests and level not in p.why_none]
             for p in missing:

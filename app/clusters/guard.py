@@ -89,9 +89,14 @@ STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PARENT_DIED = signal.SIGHUP  # the parent-death signal: the guard has no terminal to send it one
 
 
-def _raise_stop(signum, _frame) -> None:
+def _ignore_stops() -> None:
+    """From here the stop runs to its end: a second signal cannot cut it short."""
     for sig in STOPS:
-        signal.signal(sig, signal.SIG_IGN)  # first: a second signal cannot cut the stop short
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _raise_stop(signum, _frame) -> None:
+    _ignore_stops()  # first
     raise _Stop(signum)
 
 
@@ -134,8 +139,7 @@ def main(argv: list[str]) -> int:
             if pid == child.pid:
                 code = os.waitstatus_to_exitcode(status)
                 child.returncode = code
-        for sig in STOPS:
-            signal.signal(sig, signal.SIG_IGN)  # the stop runs to its end
+        _ignore_stops()
     except _Stop as stop:
         if stop.args[0] == PARENT_DIED:
             left = len(me.children(recursive=True))

@@ -243,10 +243,15 @@ def direct_path_exports() -> dict[str, str]:
     return env
 
 
+def venv_command(name: str) -> str | None:
+    """A console script beside this Python (a venv's bin, used without activating it), else the one on PATH."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
 def summit_haproxy() -> str | None:
-    """Summit's HAProxy wrapper: beside this Python (a venv's bin, used without activating it), else on PATH."""
-    beside = Path(sys.executable).with_name("summit-haproxy")
-    return str(beside) if beside.exists() else shutil.which("summit-haproxy")
+    """Summit's HAProxy wrapper (app/clusters/haproxy.py), where installed."""
+    return venv_command("summit-haproxy")
 
 
 def exports(env: dict[str, str]) -> str:

@@ -226,8 +226,9 @@ class _Said:
 
 def serve_command() -> str:
     """Serve's CLI beside this Python (a venv's bin, used without activating it), else the one on PATH."""
-    beside = Path(sys.executable).with_name("serve")
-    return str(beside) if beside.exists() else "serve"
+    from app.clusters.job_env import venv_command
+
+    return venv_command("serve") or "serve"
 
 
 def port_holder(host: str, port: int) -> str | None:

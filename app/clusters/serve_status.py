@@ -114,7 +114,7 @@ def _failure(app: dict, final: bool) -> Verdict | None:
     deployed = app.get("last_deployed_time_s") or 0.0
     for message in messages:
         record = StartFailure.from_text(message)
-        if record is None or not (final or not record.retry):
+        if record is None or (record.retry and not final):
             continue
         if not final and record.began is not None and record.began < deployed:
             continue  # a replica of the config this deploy replaced: Serve's message has not caught up yet

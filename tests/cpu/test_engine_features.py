@@ -189,11 +189,11 @@ def test_an_adapter_stays_on_its_busy_replica_where_load_would_send_it_away(
     r = httpx.post(features_app.base_url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
     try:
-        held_by = lambda: {  # noqa: E731 — what each replica reports loaded: the router's view of who holds it
-            r: s["loaded"]
-            for r, s in probe(features_app.address, "each", APP, POOL, "adapters", "--replicas", str(REPLICAS)).items()
-            if name in s["loaded"]
-        }
+
+        def held_by() -> dict[str, list[str]]:  # what each replica reports loaded (what the routers learn from)
+            reports = probe(features_app.address, "each", APP, POOL, "adapters", "--replicas", str(REPLICAS))
+            return {replica: s["loaded"] for replica, s in reports.items() if name in s["loaded"]}
+
         holders = held_by()
         assert len(holders) == 1, f"the premise: one replica holds {name}: {holders}"
         (home,) = holders
