@@ -4,12 +4,15 @@ routes and bodies: `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `
 
 Only behind API keys (the config refuses runtime_loading without `auth`). The replica that takes a load request loads
 the adapter into its own engine (a replica of the base model: the request is handed to one otherwise), so a bad path
-or rank is the caller's 400 and nothing is kept; then the AdapterRegistry deployment records it for the application.
-Every engine replica reads the registry each second (LLMServer) and serves what it lists from then on: the name is a
-model in `/v1/models`, requests for it are routed like the YAML's adapters (to a replica that has it loaded), a new
-or restarted replica knows it. Unloading removes it from the registry; each replica forgets it and drops its weights
-once no request uses them. The registry lives in memory: when the application is redeployed or the registry's
-replica restarts, adapters loaded at run time are gone (as with vLLM's own server) and are loaded again by the caller.
+or rank is the caller's 400 and nothing is kept; then the AdapterRegistry deployment records it for the application,
+with the replica that loaded it (its home). Every engine replica reads the registry each second (LLMServer) and serves
+what it lists from then on: the name is a model in `/v1/models`, requests for it are routed like the YAML's adapters
+(to a replica that has it loaded), a new or restarted replica knows it. Each replica reports the homes it knows beside
+its adapters, so that a router that hears of the adapter from any replica's report knows where it is loaded, even
+before the home's own report of its loaded adapters reaches it. Unloading removes it from the registry; each replica
+forgets it and drops its weights once no request uses them. The registry lives in memory: when the application is
+redeployed or the registry's replica restarts, adapters loaded at run time are gone (as with vLLM's own server) and
+are loaded again by the caller.
 """
 
 from __future__ import annotations
@@ -96,17 +99,18 @@ def check_adapter_dir(path: str) -> None:
 
 
 class AdapterRegistry:
-    """The application's adapters added at run time: name -> (base model, path). A Serve deployment of one replica."""
+    """The application's adapters added at run time: name -> (base model, path, home: the replica that loaded it). A
+    Serve deployment of one replica."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[str, str]] = {}
+        self._entries: dict[str, tuple[str, str, str]] = {}
         self._version = 0
 
-    def add(self, name: str, base: str, path: str) -> bool:
+    def add(self, name: str, base: str, path: str, home: str = "") -> bool:
         """False when the name is taken (two loads of one name at once: the second loses)."""
         if name in self._entries:
             return False
-        self._entries[name] = (base, path)
+        self._entries[name] = (base, path, home)
         self._version += 1
         logger.info("LoRA adapter %s of %s registered (%s)", name, base, path)
         return True
@@ -118,7 +122,7 @@ class AdapterRegistry:
         logger.info("LoRA adapter %s unregistered", name)
         return True
 
-    def snapshot(self) -> tuple[int, dict[str, tuple[str, str]]]:
+    def snapshot(self) -> tuple[int, dict[str, tuple[str, str, str]]]:
         return self._version, dict(self._entries)
 
 
@@ -139,10 +143,12 @@ class RuntimeAdapters:
     """One replica's view of the registry, applied to its front's model table (server/models.py): names it knows
     and, for its own model, the adapters its engine may load (lora/adapters.py)."""
 
-    def __init__(self, registry, runtime_models: list[str], yaml_adapters: set[str]):
+    def __init__(self, registry, runtime_models: list[str], yaml_adapters: set[str], replica_id: str = ""):
         self.registry = registry  # a DeploymentHandle to the AdapterRegistry
         self.runtime_models = list(runtime_models)
         self.yaml_adapters = set(yaml_adapters)
+        self.replica_id = replica_id  # this replica's: a load it takes makes it the adapter's home
+        self.homes: dict[str, str] = {}  # adapter -> the replica that loaded it (reported to the routers)
         self._version = -1
         self._applied: set[str] = set()
 
@@ -152,18 +158,21 @@ class RuntimeAdapters:
             self._version = version
             await self.apply(table, entries)
 
-    async def apply(self, table: ModelNames, entries: dict[str, tuple[str, str]]) -> None:
+    async def apply(self, table: ModelNames, entries: dict[str, tuple[str, str, str]]) -> None:
         for name in self._applied - set(entries):
             await self.forget(table, name)
-        for name, (base, path) in entries.items():
-            self.learn(table, name, base, path)
+        for name, (base, path, home) in entries.items():
+            self.learn(table, name, base, path, home)
 
-    def learn(self, table: ModelNames, name: str, base: str, path: str) -> None:
+    def learn(self, table: ModelNames, name: str, base: str, path: str, home: str) -> None:
         self._applied.add(name)
+        if home:
+            self.homes[name] = home
         table.learn(name, base, path, os.path.expanduser(path))
 
     async def forget(self, table: ModelNames, name: str) -> None:
         self._applied.discard(name)
+        self.homes.pop(name, None)
         await table.forget(name)
 
     async def handle(
@@ -182,10 +191,15 @@ class RuntimeAdapters:
             await forward(base)
             return None
         check_adapter_dir(adapter_path)
-        if not await self.registry.add.remote(name, base, adapter_path):
+        if not await self.registry.add.remote(name, base, adapter_path, self.replica_id):
             raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded", param="lora_name")
-        await self._load_now(table, name, adapter_path)
-        self.learn(table, name, base, adapter_path)
+        self.homes[name] = self.replica_id  # reported while it loads: the routers send its first requests here
+        try:
+            await self._load_now(table, name, adapter_path)
+        except OpenAIError:
+            self.homes.pop(name, None)
+            raise
+        self.learn(table, name, base, adapter_path, self.replica_id)
         return 200, f"Success: LoRA adapter '{name}' added successfully."
 
     async def _load_now(self, table: ModelNames, name: str, adapter_path: str) -> None:

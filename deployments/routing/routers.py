@@ -113,8 +113,9 @@ class _SessionAffinity(_Policy):
 
 class _AdapterAffinity:
     """A LoRA adapter's requests go to a replica that has it loaded (each replica reports its loaded adapters every
-    MODEL_STATS_PERIOD_S; a replica chosen for an adapter counts as having it for HOLD_S meanwhile), unless that one
-    is `imbalance` requests busier than the least-loaded replica, which then loads it too."""
+    MODEL_STATS_PERIOD_S; a replica chosen for an adapter counts as having it for HOLD_S meanwhile; an adapter loaded
+    at run time is held by its home, which every replica's report names), unless that one is `imbalance` requests
+    busier than the least-loaded replica, which then loads it too."""
 
     name = "adapter_affinity"
     strict = False
@@ -128,6 +129,7 @@ class _AdapterAffinity:
         now = time.monotonic()
         self._chosen = {k: t for k, t in self._chosen.items() if now - t < self.HOLD_S}
         holders = {r.replica_id.unique_id for r in replicas if adapter in r.routing_stats.get("loaded", ())}
+        holders |= {home for r in replicas if (home := r.routing_stats.get("homes", {}).get(adapter))}
         holders |= {rid for (name, rid), _ in self._chosen.items() if name == adapter}
         chosen, outcome = routing.adapter_affinity(adapter, loads, holders, self.imbalance)
         self._chosen[(adapter, chosen)] = now
@@ -318,12 +320,17 @@ def _base_model(adapter: str, replicas: list[RunningReplica]) -> str | None:
 
 def same_model(replicas: list[RunningReplica], model: str | None) -> list[RunningReplica]:
     """The replicas serving `model` (or the model a LoRA adapter `model` belongs to), where a deployment hosts several
-    models (each replica reports its own and its adapters in `record_routing_stats`); all of them when the request
-    names none or the replicas report nothing."""
+    models (each replica reports its own and its adapters in `record_routing_stats`, and the home of each adapter
+    loaded at run time); all of them when the request names none or the replicas report nothing."""
     if model is None or not any(r.routing_stats.get("model") for r in replicas):
         return replicas
+    homes = {home for r in replicas if (home := r.routing_stats.get("homes", {}).get(model))}
     return [
-        r for r in replicas if r.routing_stats.get("model") == model or model in r.routing_stats.get("adapters", ())
+        r
+        for r in replicas
+        if r.routing_stats.get("model") == model
+        or model in r.routing_stats.get("adapters", ())
+        or (homes and r.replica_id.unique_id in homes)  # an adapter's home, whose own report has not told it yet
     ]
 
 

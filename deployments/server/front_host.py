@@ -128,6 +128,7 @@ def front_options(config: ServerConfig, model: ModelConfig, site: FrontSite, poo
             c.adapter_registry,
             [m.name for m, _ in c.models if m.lora and m.lora.runtime_loading],
             {a for m, _ in c.models for a in m.adapter_names},
+            site.replica_id,
         )
     if c.prefill and model.name in c.prefill:
         prefill = c.prefill[model.name].options(stream=True)

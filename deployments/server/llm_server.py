@@ -147,7 +147,8 @@ class LLMServer:
 
     def record_routing_stats(self) -> dict:
         """What Summit's routers read per replica: the model it serves (a deployment may host several), its engine's
-        KV-cache blocks, its LoRA adapters and which of them it has loaded."""
+        KV-cache blocks, its LoRA adapters, which of them it has loaded, and the replica that loaded each adapter
+        added at run time (deployments/lora/runtime.py)."""
         adapters = self._front.table.adapters
         stats: dict = {"model": self.model}
         engine_app = getattr(self, "_engine_app", None)
@@ -158,7 +159,11 @@ class LLMServer:
             stats["asleep"] = not self._sleeper.awake
         if adapters is None:
             return stats
-        return {**stats, "adapters": sorted(adapters.paths), "loaded": adapters.loaded()}
+        stats = {**stats, "adapters": sorted(adapters.paths), "loaded": adapters.loaded()}
+        runtime = self._front.options.runtime_lora
+        if runtime is not None and runtime.homes:
+            stats["homes"] = dict(runtime.homes)
+        return stats
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What Serve's autoscaling policy reads per replica (custom metrics): the p90 time to first token and

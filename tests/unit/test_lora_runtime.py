@@ -66,8 +66,8 @@ def test_the_path_must_hold_an_adapter(tmp_path):
 def test_the_registry_keeps_one_entry_per_name_and_versions_changes():
     r = AdapterRegistry()
     assert r.snapshot() == (0, {})
-    assert r.add("sql", "base", "/a") and not r.add("sql", "base", "/b")
-    assert r.snapshot() == (1, {"sql": ("base", "/a")})
+    assert r.add("sql", "base", "/a", "replica-1") and not r.add("sql", "base", "/b", "replica-2")
+    assert r.snapshot() == (1, {"sql": ("base", "/a", "replica-1")})
     assert r.remove("sql") and not r.remove("sql")
     assert r.snapshot() == (2, {})
 
@@ -105,7 +105,7 @@ def _Front(model: str, engine: list) -> ModelTable:  # noqa: N802 — a replica 
 def test_replicas_learn_and_forget_what_the_registry_holds(tmp_path):
     registry, engine = AdapterRegistry(), []
     mine, theirs = _Front("base", engine), _Front("other", [])
-    views = [RuntimeAdapters(_Handle(registry), ["base"], set()) for _ in range(2)]
+    views = [RuntimeAdapters(_Handle(registry), ["base"], set(), f"replica-{i}") for i in range(2)]
     good = tmp_path / "good"
     good.mkdir()
     (good / "adapter_config.json").write_text("{}")
@@ -118,11 +118,12 @@ def test_replicas_learn_and_forget_what_the_registry_holds(tmp_path):
         assert engine == [("load", "sql")] and mine.adapters.loaded() == ["sql"]  # loaded before the answer
         await views[1].refresh(theirs)  # another model's replica: knows the name and its model, loads nothing
         assert theirs.base_of == {"sql": "base"} and theirs.cards["sql"]["parent"] == "base"
+        assert views[0].homes == views[1].homes == {"sql": "replica-0"}  # both report where it is loaded
         assert theirs.adapters.paths == {}
         with pytest.raises(OpenAIError):  # the name is taken now
             await views[1].handle(theirs, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/x"}, None)
         status, _ = await views[1].handle(theirs, "/v1/unload_lora_adapter", {"lora_name": "sql"}, None)
-        assert status == 200 and theirs.base_of == {}
+        assert status == 200 and theirs.base_of == {} and views[1].homes == {}
         await views[0].refresh(mine)
         assert mine.base_of == {} and "sql" not in mine.adapters.paths and engine[-1] == ("unload", "sql")
         with pytest.raises(OpenAIError) as e:

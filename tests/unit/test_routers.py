@@ -496,6 +496,31 @@ def test_a_replica_chosen_for_an_adapter_holds_it_until_its_report_for_hold_s(mo
     assert policy.decide("tiny-sql", loads, replicas) == (other, "new")  # no report came: by load
 
 
+def test_an_adapter_loaded_at_run_time_goes_to_its_home_before_the_homes_own_report_tells():
+    """Right after a load at run time, the router may hear of the adapter first from a replica that only learnt it
+    from the registry (its report lists the adapter, loaded nowhere) while the home's last report predates the load.
+    That report names the home (`homes`), and the adapter's requests go there, in the case where the fallback
+    disagrees: an adapter name whose hash tie-break picks the other, idle replica. With the homes ignored
+    (tests/mutations/adapter-home-ignored.patch) they all go by the hash to the other replica."""
+    from deployments.routing.policies import least_loaded
+
+    name = next(f"rt-{i}" for i in range(100) if least_loaded({"home": 0, "other": 0}, key=f"rt-{i}") == "other")
+
+    async def scenario():
+        home, other = FakeReplica("home"), FakeReplica("other")
+        home.routing_stats = {"model": "m", "adapters": ["x"], "loaded": []}  # its report from before the load
+        other.routing_stats = {"model": "m", "adapters": ["x", name], "loaded": [], "homes": {name: "home"}}
+        router = make_router(ModelPolicyRouter, [home, other], policies={"m": {"policy": "least_load"}})
+        chosen = []
+        for _ in range(3):
+            p = pending({"model": name, "prompt": "x"})
+            p.args[0].model = name
+            chosen.append(await route(router, p))
+        return chosen
+
+    assert asyncio.run(scenario()) == ["home"] * 3
+
+
 def test_a_resumed_streams_dead_replica_is_in_no_rank_though_its_session_points_there():
     """A continuation after its engine died carries the dead replica's id (AVOID_HEADER): the router leaves that
     replica out of every rank, though the session's own replica is that one (the case where the hint and affinity
