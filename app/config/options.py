@@ -123,6 +123,13 @@ class RoutingOptions(Strict):
         "that many more of the prompt's tokens than another stays preferred for each request it has above it "
         "(within imbalance). 0: the replica holding the most, whatever its load within imbalance.",
     )
+    claim_s: float = Field(
+        10.0,
+        ge=0,
+        description="kv_cache: how long the replica chosen for a request counts as holding the request's blocks before "
+        "its engine's KV events say so (the prefill), so that a burst of one new prefix is not spread meanwhile. 0: "
+        "only the engines' events count.",
+    )
     max_tracked: int = Field(
         100_000,
         ge=1,

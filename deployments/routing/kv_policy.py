@@ -18,6 +18,7 @@ from deployments.routing.kv_follow import KVFollower
 from deployments.routing.kv_tokens import PromptTokens
 
 # How long a replica chosen for a request counts as holding its blocks before its engine's events say so
+# (routing.claim_s)
 KV_CLAIM_S = 10.0
 
 
@@ -26,12 +27,11 @@ class KVCachePolicy:
     only in an offload tier counts `cpu_block_credit`), less `load_cost_tokens` of prefix for each request it has
     ongoing above the least-loaded replica, and never one `imbalance` requests busier than that (kv_blocks.choose).
     What each engine holds comes from its KV events (`kv_follow.KVFollower`); between a decision and the
-    engine's events for it (the prefill), the chosen replica is taken to hold the request's blocks for `CLAIM_S`, so
-    a burst of one new prefix is not spread before its first prefill ends."""
+    engine's events for it (the prefill), the chosen replica is taken to hold the request's blocks for `claim_s`, so
+    a burst of one new prefix is not spread before its first prefill ends (0: no claims)."""
 
     name = "kv_cache"
     strict = False
-    CLAIM_S = KV_CLAIM_S
     clock = staticmethod(time.monotonic)  # claims' clock (the simulator's own time in app/simulate)
 
     def __init__(
@@ -42,11 +42,12 @@ class KVCachePolicy:
         cpu_block_credit: float = DEFAULT_CPU_CREDIT,
         max_tracked: int = routing.DEFAULT_MAX_TRACKED,
         load_cost_tokens: int = DEFAULT_LOAD_COST_TOKENS,
+        claim_s: float = KV_CLAIM_S,
     ):
         self.tokens = PromptTokens(tokenizer, chat_template)
         self.follower = KVFollower()
         self.imbalance, self.cpu_credit, self.max_tracked = imbalance, cpu_block_credit, max_tracked
-        self.load_cost_tokens = load_cost_tokens
+        self.load_cost_tokens, self.claim_s = load_cost_tokens, claim_s
         self._claims: dict[int, tuple[str, float]] = {}  # content hash -> (replica, until)
         self._mean_blocks = 0.0  # a request's blocks (its prompt's full ones + 1), running mean over decisions
 
@@ -127,11 +128,13 @@ class KVCachePolicy:
         return float(n)
 
     def claim(self, hashes: list[int], replica: str) -> None:
+        if not self.claim_s:
+            return
         now = self.clock()
         if len(self._claims) + len(hashes) > self.max_tracked:
             self._claims = {h: c for h, c in self._claims.items() if c[1] >= now}
             if len(self._claims) + len(hashes) > self.max_tracked:
                 self._claims.clear()
-        until = now + self.CLAIM_S
+        until = now + self.claim_s
         for h in hashes:
             self._claims[h] = (replica, until)

@@ -20,7 +20,7 @@ _ROUTERS: dict[str, tuple[type[_OnePolicyRouter], set[str]]] = {
     "session_affinity": (SessionAffinityRouter, {"max_tracked"}),
     "kv_cache": (
         KVCacheRouter,
-        {"imbalance", "max_tracked", "tokenizer", "chat_template", "cpu_block_credit", "load_cost_tokens"},
+        {"imbalance", "max_tracked", "tokenizer", "chat_template", "cpu_block_credit", "load_cost_tokens", "claim_s"},
     ),
 }
 _ALL_KWARGS = set().union(*(accepted for _, accepted in _ROUTERS.values()))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,7 +32,6 @@ import pytest
 
 from deployments.http.response_ids import STORE_ENV, owner_of
 from deployments.observability.watch import PD_PHASES, pd_phase_lines
-from deployments.routing.kv_policy import KV_CLAIM_S
 from tests.cpu import engine_apps
 from tests.cpu.engine_apps import APP, app_config, deployed, deployment_details, tiny_model, wait_for
 from tests.engine_checks import (
@@ -69,7 +67,7 @@ def pd_app(tiny_model_dir, kv_dir):
             disaggregation={
                 "connector": "shared_storage",
                 "connector_config": {"shared_storage_path": str(kv_dir)},
-                "prefill": {"routing": {"policy": "kv_cache"}},
+                "prefill": {"routing": {"policy": "kv_cache", "claim_s": 0}},  # no claims: only the KV events tell
             },
         ),
     ]
@@ -356,8 +354,8 @@ def prefill_stats(cluster) -> dict:
 def test_the_prefill_pool_routes_by_what_its_engine_caches(pd_app, http):
     """The prefill pool routes by `kv_cache`: its replica indexes its engine's KV events (a document's blocks are
     there once the document was prefilled, without a gap in vLLM's event sequence), and the decode side's router sends
-    the document's second prefill call, once the router's own claim on the blocks has lapsed, by what that index holds:
-    a `hit`. The decisions are read from Ray's metrics
+    the document's second prefill call by what that index holds (the router makes no claims here, `claim_s: 0`): a
+    `hit`. The decisions are read from Ray's metrics
     until the first call's `new` and the second's `hit` are both in (the export was seen lagging past 30 s on a
     loaded box: the wait is on the counts, not on time). Fails if the router ignores the index (it would count `new`
     twice) or the index never fills."""
@@ -370,11 +368,11 @@ def test_the_prefill_pool_routes_by_what_its_engine_caches(pd_app, http):
         }
 
     before = settled(decisions)
+    blocks = prefill_stats(pd_app)["kv_events"]["blocks"]
     doc = document(70)  # ~340 tokens: 2 whole blocks of 128
     assert complete(http, PD, doc).status_code == 200
-    assert wait_for(lambda: prefill_stats(pd_app)["kv_events"]["blocks"] >= 2, 30), prefill_stats(pd_app)
+    assert wait_for(lambda: prefill_stats(pd_app)["kv_events"]["blocks"] >= blocks + 2, 30), prefill_stats(pd_app)
     assert prefill_stats(pd_app)["kv_events"]["gaps"] == 0
-    time.sleep(KV_CLAIM_S + 1)  # the router's own claim on the blocks lapses (a time-to-live): only the index tells
     assert complete(http, PD, doc + "What does it say?").status_code == 200
     seen: dict = {}
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 
 import httpx
 import jsonschema
@@ -24,7 +23,6 @@ import pytest
 
 from app.clusters.tiny_model import make_tiny_lora, make_tiny_model
 from deployments.http.response_ids import STORE_ENV, new_id
-from deployments.routing.kv_policy import KV_CLAIM_S
 from tests.conftest import LONG_TIER
 from tests.cpu.engine_apps import (
     APP,
@@ -86,7 +84,7 @@ def features_app(tiny_model_dir, tmp_path_factory):
         {"num_replicas": 2},
         lora=lora,
         frontend_kwargs=tools,
-        routing={"policy": "kv_cache"},
+        routing={"policy": "kv_cache", "claim_s": 0},  # no claims: where a prompt is cached, only the KV events tell
     )
     families = [
         tiny_model(
@@ -205,24 +203,32 @@ def test_an_adapter_stays_on_its_busy_replica_where_load_would_send_it_away(
             held.pause(engine_core_processes(pids[home]))  # its stream stays ongoing; the other replica runs on
             follow_up = held.open("/v1/completions", {"model": name, "prompt": "And another.", **long})
             control = held.open("/v1/completions", {"model": MODEL, "prompt": "Anyone?", **long})
-        assert control != home, "a base-model request should go to the idle replica: the router saw no load"
         assert follow_up == home, f"the adapter's request left {home}, which holds it, for {follow_up}: {held_by()}"
+        assert control != home, "a base-model request should go to the idle replica: the router saw no load"
     finally:
         httpx.post(
             features_app.base_url + "/v1/unload_lora_adapter", json={"lora_name": name}, headers=AUTH, timeout=60
         )
 
 
+def indexed_blocks(features_app) -> dict[str, int]:
+    """The blocks each kv_cache replica's index of its engine's KV events holds now."""
+    stats = probe(features_app.address, "each", APP, POOL, "stats", "--replicas", str(REPLICAS))
+    return {r: s["kv_events"]["blocks"] for r, s in stats.items() if s["kv_events"] is not None}
+
+
 def test_kv_cache_routing_sends_a_document_back_to_the_replica_that_cached_it(features_app, client):
     """The model routes by `kv_cache`, in the case where the engines' KV events and the router's fallback (load, then
     a hash of the first block) disagree: each document's first request is sent while one replica holds a stream with
-    its engine paused, so it goes to the other by load (the control, asserted). Once the router's own claim has
-    lapsed, only the engines' KV events can tell where a document is: each follow-up (the document and a question)
-    must go to that replica. With the index ignored (tests/mutations/kv-index-ignored.patch) the follow-ups go by the
-    first block's hash, which finds a document's replica for all 8 documents 1 time in 256."""
+    its engine paused, so it goes to the other by load (the control, asserted). The router makes no claims here
+    (`claim_s: 0`): only the engines' KV events can tell where a document is, and each follow-up (the document and a
+    question), sent once each replica's index holds its documents' blocks, must go to that replica. With the index
+    ignored (tests/mutations/kv-index-ignored.patch) the follow-ups go by the first block's hash, which finds a
+    document's replica for all 8 documents 1 time in 256."""
     docs = [document(i, words=300, title="Cached") for i in range(8)]
     homes, busy = [], []
     pids = replica_pids(features_app)
+    before = indexed_blocks(features_app)
     for i, doc in enumerate(docs):
         hold = {"model": MODEL, "prompt": f"Hold this replica {i}.", "max_tokens": 500, "ignore_eos": True}
         with httpx.Client(base_url=features_app.base_url, headers=AUTH, timeout=120) as h, held_streams(h) as held:
@@ -230,7 +236,14 @@ def test_kv_cache_routing_sends_a_document_back_to_the_replica_that_cached_it(fe
             held.pause(engine_core_processes(pids[busy[-1]]))  # one ongoing there, however slow the box
             homes.append(complete(client, MODEL, prompt=doc)[1])
     assert all(home != held for home, held in zip(homes, busy)), (homes, busy)  # by load: the idle replica
-    time.sleep(KV_CLAIM_S + 1)  # the router's claim on each document's blocks lapses (a time-to-live)
+
+    # ~460 tokens: 3 blocks of 128 for each document, in its replica's index (which the routers follow) before the
+    # follow-ups are sent
+    def all_indexed() -> bool:
+        now = indexed_blocks(features_app)
+        return all(now[h] >= before[h] + 3 * homes.count(h) for h in set(homes))
+
+    assert wait_for(all_indexed, 60, 1), (before, indexed_blocks(features_app))
     again = [[complete(client, MODEL, prompt=doc + f"Question {q}: why?")[1] for q in range(2)] for doc in docs]
     assert again == [[home, home] for home in homes], (homes, again)
     stats = probe(features_app.address, "each", APP, POOL, "stats", "--replicas", str(REPLICAS))

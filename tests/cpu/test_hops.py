@@ -7,13 +7,11 @@ the direct path (test_engine_features.py) and in a prefill pool (test_disaggrega
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
-from deployments.routing.kv_policy import KV_CLAIM_S
-from tests.cpu.engine_apps import APP, deployed, document, tiny_model
+from tests.cpu.engine_apps import APP, deployed, document, tiny_model, wait_for
 from tests.engine_checks import engine_core_processes, held_streams
 from tests.replica_probe import probe
 from tests.resume_checks import read_stream, same_stream, text_of
@@ -28,7 +26,7 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def hops_app(tiny_model_dir):
     model = tiny_model(
-        MODEL, {"max_num_seqs": 8}, {"num_replicas": 2}, stream_resume={}, routing={"policy": "kv_cache"}
+        MODEL, {"max_num_seqs": 8}, {"num_replicas": 2}, stream_resume={}, routing={"policy": "kv_cache", "claim_s": 0}
     )
     with deployed(
         [model],
@@ -84,12 +82,19 @@ def complete(app, prompt: str) -> str:
 def test_kv_cache_routing_on_the_two_hop_path_sends_a_document_back_to_the_replica_that_cached_it(hops_app):
     """kv_cache through the ingress's handle, where the engines' KV events and the router's fallback disagree (as
     test_engine_features.py's direct-path case): each document is first sent while the other replica holds a stream
-    with its engine paused, so it goes by load to the idle one (the control, asserted); once the router's own claim
-    has lapsed only the engines' KV events tell where a document is, and each follow-up must go there. With the index
-    ignored (tests/mutations/kv-index-ignored.patch) the follow-ups go by the first block's hash: all 6 documents'
-    replicas found 1 time in 64."""
+    with its engine paused, so it goes by load to the idle one (the control, asserted); the router makes no claims here
+    (`claim_s: 0`), so only the engines' KV events tell where a document is, and each follow-up, sent once the
+    replicas' indexes hold the documents, must go there. With the index ignored
+    (tests/mutations/kv-index-ignored.patch) the follow-ups go by the first block's hash: all 6 documents' replicas
+    found 1 time in 64."""
+
+    def indexed() -> dict[str, int]:
+        stats = probe(hops_app.address, "each", APP, f"LLMServer:{MODEL}", "stats", "--replicas", "2")
+        return {replica: s["kv_events"]["blocks"] for replica, s in stats.items()}
+
     stats = probe(hops_app.address, "each", APP, f"LLMServer:{MODEL}", "stats", "--replicas", "2")
     pids = {replica: s["pid"] for replica, s in stats.items()}
+    before = {replica: s["kv_events"]["blocks"] for replica, s in stats.items()}
     docs = [document(i, words=300, title="Two hops") for i in range(6)]
     homes, busy = [], []
     for i, doc in enumerate(docs):
@@ -99,6 +104,12 @@ def test_kv_cache_routing_on_the_two_hop_path_sends_a_document_back_to_the_repli
             held.pause(engine_core_processes(pids[busy[-1]]))  # one ongoing there, however slow the box
             homes.append(complete(hops_app, doc))
     assert all(home != held for home, held in zip(homes, busy)), (homes, busy)  # by load: the idle replica
-    time.sleep(KV_CLAIM_S + 1)  # the router's claim on each document's blocks lapses (a time-to-live)
+
+    # ~460 tokens: 3 blocks of 128 for each document, in its replica's index (which the router follows)
+    def all_indexed() -> bool:
+        now = indexed()
+        return all(now[h] >= before[h] + 3 * homes.count(h) for h in set(homes))
+
+    assert wait_for(all_indexed, 60, 1), (before, indexed())
     again = [[complete(hops_app, doc + f"Question {q}: why?") for q in range(2)] for doc in docs]
     assert again == [[home, home] for home in homes], (homes, again)

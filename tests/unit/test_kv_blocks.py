@@ -133,7 +133,7 @@ def test_an_offload_tiers_repeated_announcements_are_counted():
 
 def test_a_kv_claim_holds_within_its_window_and_lapses_after_it():
     """Between a decision and its engine's KV events, the chosen replica counts as holding the request's blocks for
-    CLAIM_S (a burst of one new prefix is not spread), and not after: observed inside and past the window on the
+    `claim_s` (a burst of one new prefix is not spread), and not after: observed inside and past the window on the
     policy's own clock. The case where claim and fallback disagree: the claimed replica is the one the first block's
     hash does not pick between two idle replicas."""
     import random
@@ -147,7 +147,7 @@ def test_a_kv_claim_holds_within_its_window_and_lapses_after_it():
     by_hash, _ = policy.decide(hashes, loads, random.Random(0), {}, 16)
     other = "r2" if by_hash == "r1" else "r1"
     policy.claim(hashes, other)
-    now[0] += policy.CLAIM_S - 0.5
+    now[0] += policy.claim_s - 0.5
     assert policy.decide(hashes, loads, random.Random(0), {}, 16)[0] == other  # inside the window: the claim
     now[0] += 1.0
     assert policy.decide(hashes, loads, random.Random(0), {}, 16)[0] == by_hash  # past it: the hash again

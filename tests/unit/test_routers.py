@@ -355,7 +355,7 @@ def kv_router(tmp_path, replicas, policies=None, **kwargs):
         router = make_router(KVCacheRouter, replicas, tokenizer=str(model), **kwargs)
     kv = next(p for p in router._policies.values() if p.name == "kv_cache")
     kv.follower.follow = lambda replicas: None
-    kv.CLAIM_S = 0.0  # decisions by the engines' blocks alone
+    kv.claim_s = 0.0  # decisions by the engines' blocks alone
 
     from transformers import AutoTokenizer
 

@@ -114,8 +114,10 @@ def documents_load() -> tuple[list[SimRequest], int | None]:
     return requests(spec)
 
 
-def hit_rate(policy: str) -> tuple[float, Simulation]:
-    model = SimModel("m", policy=policy, replicas=2, kv_tokens=1600, block_size=16, max_num_seqs=8)
+def hit_rate(policy: str, routing: dict | None = None) -> tuple[float, Simulation]:
+    model = SimModel(
+        "m", policy=policy, replicas=2, kv_tokens=1600, block_size=16, max_num_seqs=8, routing=routing or {}
+    )
     sim = Simulation(model, PROFILE)
     reqs, clients = documents_load()
     done = sim.run(reqs, clients)
@@ -130,15 +132,14 @@ def test_the_runtimes_policies_decide_and_kv_cache_follows_the_simulated_engines
     points more of the prompts cached than least_load; with its views emptied (what the router would know without
     KV events, its claims lapsing at once) it falls back to least_load's level. Fails if the simulation routes by
     anything but the policy's decision, or if kv_cache does not read the engines' events."""
-    # the router's own claims (a chosen replica counts as holding the blocks for CLAIM_S, until its events come)
-    # would stand in for the events over this short run: they lapse at once here
-    monkeypatch.setattr(KVCachePolicy, "CLAIM_S", 0.0)
-    kv, sim = hit_rate("kv_cache")
+    # the router's own claims (a chosen replica counts as holding the blocks for claim_s, until its events come)
+    # would stand in for the events over this short run: none here
+    kv, sim = hit_rate("kv_cache", {"claim_s": 0})
     least, _ = hit_rate("least_load")
     assert isinstance(sim.router.policy, KVCachePolicy) and sim.router.outcomes["hit"] > 0
     assert kv >= least + 0.10, (kv, least)
     monkeypatch.setattr(sim_router.ReplicaIndex, "current", lambda self: BlockView())
-    blind, _ = hit_rate("kv_cache")
+    blind, _ = hit_rate("kv_cache", {"claim_s": 0})
     assert blind < kv - 0.08, (blind, kv)
 
 
