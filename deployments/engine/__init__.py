@@ -55,6 +55,7 @@ from deployments.engine.metrics import (
     kv_connector_counters,
     latency_buckets,
     prompt_tokens_by_source,
+    recorded_totals,
 )
 from deployments.engine.platform import CPU_RAY_PLATFORM_ENV, cpu_ray_platform
 from deployments.engine.registry import architecture_problem, quantization_problem
@@ -110,6 +111,7 @@ __all__ = [
     "kv_connector_counters",
     "kv_cache_blocks",
     "kv_cache_usage",
+    "recorded_totals",
     "kv_connector",
     "kv_connector_names",
     "kv_transfer_config",

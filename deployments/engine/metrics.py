@@ -40,6 +40,22 @@ def generation_tokens() -> int | None:
     return sum(values) if values else None
 
 
+def recorded_totals() -> dict[str, float]:
+    """What this process's vLLM has recorded so far, under vLLM's names, summed over label sets: each counter's value,
+    each histogram's `<name>_count` and `<name>_sum`. Ray's metrics endpoint exports the same values once its reports
+    are in (`engine_metric_samples`); tests compare the two."""
+    from vllm.v1.metrics.reader import Counter, Histogram, get_metrics_snapshot
+
+    totals: dict[str, float] = {}
+    for metric in get_metrics_snapshot():
+        if isinstance(metric, Counter):
+            totals[metric.name] = totals.get(metric.name, 0) + metric.value
+        elif isinstance(metric, Histogram):
+            totals[metric.name + "_count"] = totals.get(metric.name + "_count", 0) + metric.count
+            totals[metric.name + "_sum"] = totals.get(metric.name + "_sum", 0) + metric.sum
+    return totals
+
+
 # vLLM's latency histograms that latency-target autoscaling reads (deployments/observability/slo.py)
 LATENCY_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "tpot": "vllm:inter_token_latency_seconds"}
 

@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 
 logger = logging.getLogger("ray.serve")
 
@@ -167,6 +168,10 @@ class ReplicaMetrics:
 
     def __init__(self, model: str, replica: str):
         self.tags = {"model": model, "replica": replica}
+        # what this process recorded, counted here too (the replica's stats): arrival_to_engine's observations and
+        # pd_phase's per phase
+        self.arrivals = 0
+        self.pd_phases: dict[str, int] = {}
         self._stage: str | None = None
         self._stage_start = time.monotonic()
 
@@ -176,6 +181,7 @@ class ReplicaMetrics:
         self.client_abort(0)
 
     def arrival_to_engine(self, seconds: float) -> None:
+        self.arrivals += 1
         _record(
             "histogram",
             "summit_arrival_to_engine_seconds",
@@ -215,6 +221,7 @@ class ReplicaMetrics:
         )
 
     def pd_phase(self, phase: str, seconds: float) -> None:
+        self.pd_phases[phase] = self.pd_phases.get(phase, 0) + 1
         _record(
             "histogram",
             "summit_pd_phase_seconds",
@@ -252,7 +259,12 @@ class ReplicaMetrics:
         return self._stage, time.monotonic() - self._stage_start
 
 
+# Routing decisions made in this process (by its handles' routers), also counted here: (model, policy, outcome) -> n
+decisions: Counter = Counter()
+
+
 def routing_decision(model: str | None, policy: str, outcome: str) -> None:
+    decisions[(model or "", policy, outcome)] += 1
     _record(
         "counter",
         "summit_routing_decisions",

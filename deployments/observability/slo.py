@@ -13,7 +13,7 @@ latencies start when a request reaches the engine and cannot see that wait (`sum
 spike the engines' p90 stayed under target while clients waited minutes at the handles).
 Serve applies min/max replicas and its upscale/downscale delays around it.
 
-Self-contained (stdlib only): Serve pickles this module by value into its controller.
+Self-contained (stdlib and Ray only): Serve pickles this module by value into its controller.
 """
 
 from __future__ import annotations
@@ -73,6 +73,28 @@ class LatencyWindow:
         return out
 
 
+_pressure_gauge = None
+
+
+def _export_pressure(application: str, deployment: str, pressure: float) -> None:
+    """The policy's last pressure as `summit_autoscaling_latency_pressure` (Ray's metrics, from Serve's controller,
+    which calls the policy several times a second: the gauge stays fresh)."""
+    global _pressure_gauge
+    try:
+        from ray.util.metrics import Gauge
+
+        if _pressure_gauge is None:
+            _pressure_gauge = Gauge(
+                "summit_autoscaling_latency_pressure",
+                description="The latency-target autoscaling policy's last reading: the slowest replica's p90 over its "
+                "target, the larger of the two targets' (0: nothing measured; above 1: it scales out).",
+                tag_keys=("application", "deployment"),
+            )
+        _pressure_gauge.set(pressure, tags={"application": application, "deployment": deployment})
+    except Exception:  # noqa: BLE001 — outside Ray (unit tests, the simulator): measuring never decides anything
+        pass
+
+
 class LatencyTargetPolicy:
     """Serve's custom autoscaling policy for latency targets (built once per deployment with the YAML's values)."""
 
@@ -104,6 +126,7 @@ class LatencyTargetPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         pressure = self.pressure(ctx.aggregated_metrics or {})
+        _export_pressure(getattr(ctx, "app_name", None) or "", getattr(ctx, "deployment_name", ""), pressure)
         replicas = ctx.current_num_replicas
         decision = self.decide(replicas, pressure)
         if decision < replicas:

@@ -240,6 +240,17 @@ class LLMServer:
             "num_unfinished_requests": engine.num_unfinished_requests(self._engine_app.engine),
             "kv_cache_usage": engine.kv_cache_usage(),
             "generation_tokens": engine.generation_tokens(),
+            # what this process recorded (vLLM's counters and histograms; Summit's arrivals), as Ray's metrics
+            # endpoint exports it once its reports are in: tests tell a count Summit missed from one Ray's export lost
+            "recorded": {
+                **engine.recorded_totals(),
+                "summit:arrival_to_engine_seconds_count": self._metrics.arrivals,
+                **{f"summit:pd_phase_seconds_count:{p}": n for p, n in self._metrics.pd_phases.items()},
+            },
+            # routing decisions this process's routers made (a disaggregated model's calls to its prefill pool)
+            "routing_decisions": [
+                {"model": m, "policy": p, "outcome": o, "count": n} for (m, p, o), n in metrics.decisions.items()
+            ],
             # prompt tokens computed, found in the prefix cache, loaded through the KV connector (kv_migration)
             "prompt_tokens_by_source": engine.prompt_tokens_by_source(),
             # the KV connector's transfers (NIXL: time, bytes, descriptors), where it counts them

@@ -41,7 +41,6 @@ from tests.engine_checks import (
     model_engine_cores,
     paused,
 )
-from tests.ray_metrics import scrape, settled, total
 from tests.replica_probe import probe
 
 AGG, PD = "tiny-agg", "tiny-pd"
@@ -115,28 +114,19 @@ def replicas_by_model(cluster) -> dict[str, str]:
 
 
 def decode_counters(cluster) -> dict:
-    """What the decode engine took from its KV connector and generated, from vLLM's own counters as Ray's metrics
-    export them for its replica (settled: every request answered before the call is in)."""
-    (replica,) = [rid for rid, model in replicas_by_model(cluster).items() if model == PD]
-
-    def read() -> dict:
-        s = scrape(cluster)
-        return {
-            "external_queries": total(s, "ray_vllm_external_prefix_cache_queries_total", ReplicaId=replica),
-            "external_hits": total(s, "ray_vllm_external_prefix_cache_hits_total", ReplicaId=replica),
-            "generation_tokens": total(s, "ray_vllm_generation_tokens_total", ReplicaId=replica),
-            **{
-                f"prompt_{source}": total(s, "ray_vllm_prompt_tokens_by_source_total", ReplicaId=replica, source=source)
-                for source in _SOURCES
-            },
-            # the decode replica's own count of disaggregated requests, per phase (summit_pd_phase_seconds)
-            **{
-                f"pd_{phase}": total(s, "ray_summit_pd_phase_seconds_count", model=PD, phase=phase)
-                for phase in PD_PHASES
-            },
-        }
-
-    return settled(read)
+    """What the decode engine took from its KV connector and generated (vLLM's own counters) and the decode replica's
+    count of disaggregated requests per phase (summit_pd_phase_seconds), read in its process: current as each
+    request was answered, with no metrics export in between."""
+    answers = probe(cluster.address, "each", APP, POOL, "stats", "--replicas", "2")
+    (stats,) = [s for s in answers.values() if s["model"] == PD]
+    recorded, by_source = stats["recorded"], stats["prompt_tokens_by_source"]
+    return {
+        "external_queries": recorded.get("vllm:external_prefix_cache_queries", 0),
+        "external_hits": recorded.get("vllm:external_prefix_cache_hits", 0),
+        "generation_tokens": stats["generation_tokens"],
+        **{f"prompt_{source}": by_source.get(source, 0) for source in _SOURCES},
+        **{f"pd_{phase}": recorded.get(f"summit:pd_phase_seconds_count:{phase}", 0) for phase in PD_PHASES},
+    }
 
 
 def test_the_engine_replicas_are_the_ingress_and_the_model_has_a_prefill_pool(pd_app):
@@ -288,18 +278,15 @@ def test_a_body_cut_at_the_routing_buffer_is_answered_by_its_model(pd_app):
 
 
 def test_client_leaving_a_stream_aborts_the_engine_request(pd_app, http):
-    """Read from the engines' own counters, not the client: how many tokens they made for a stream left after 3. The
-    counter is read once it includes a later request's tokens (the sentinel, on the same engine after the stream
-    ended there): Ray's export of it lags, and a read that missed the stream's tokens would pass falsely."""
+    """Read from the engines' own counters (in their processes), not the client: how many tokens they made for a
+    stream left after 3. The counter is read once it includes a later request's tokens (the sentinel, on the same
+    engine after the stream ended there): a read that missed the stream's last steps would pass falsely."""
 
     def engines(method: str) -> dict:
         return probe(pd_app.address, "each", APP, POOL, method, "--replicas", "2")
 
-    def exported() -> float:
-        return total(scrape(pd_app), "ray_vllm_generation_tokens_total")
-
-    def generated() -> float:  # vLLM's counter, as Ray's metrics endpoint exports it (settled: up to date)
-        return settled(exported)
+    def generated() -> float:  # vLLM's counter, read in each engine's process
+        return sum(s["generation_tokens"] for s in engines("stats").values())
 
     assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 60)
     before = generated()
@@ -319,8 +306,8 @@ def test_client_leaving_a_stream_aborts_the_engine_request(pd_app, http):
         assert wait_for(lambda: sum(s["num_unfinished_requests"] for s in engines("stats").values()) == 0, 120)
     sentinel = 7
     assert complete(http, AGG, "The sentinel.", max_tokens=sentinel).status_code == 200
-    assert wait_for(lambda: exported() >= before + sentinel + 1, 120, 1), (before, exported())
-    made = exported() - before - sentinel
+    assert wait_for(lambda: generated() >= before + sentinel + 1, 120, 1), (before, generated())
+    made = generated() - before - sentinel
     # aborted: the engine stopped long before the tokens it would have made for a client that stayed
     assert 1 <= made < 0.5 * (MAX_LEN - 100), f"the engines made {made} tokens for a stream left after 3 lines"
 
@@ -352,36 +339,30 @@ def prefill_stats(cluster) -> dict:
 
 
 def test_the_prefill_pool_routes_by_what_its_engine_caches(pd_app, http):
-    """The prefill pool routes by `kv_cache`: its replica indexes its engine's KV events (a document's blocks are
-    there once the document was prefilled, without a gap in vLLM's event sequence), and the decode side's router sends
-    the document's second prefill call by what that index holds (the router makes no claims here, `claim_s: 0`): a
-    `hit`. The decisions are read from Ray's metrics
-    until the first call's `new` and the second's `hit` are both in (the export was seen lagging past 30 s on a
-    loaded box: the wait is on the counts, not on time). Fails if the router ignores the index (it would count `new`
-    twice) or the index never fills."""
+    """The prefill pool routes by `kv_cache`: its replica indexes its engine's KV events (a document's blocks are there
+    once the document was prefilled, without a gap in vLLM's event sequence), and the decode side's router sends the
+    document's second prefill call by what that index holds (the router makes no claims here, `claim_s: 0`): a `hit`.
+    The decisions are read as the decode replicas' routers counted them. Fails if the router ignores the index (it would
+    count `new` twice) or the index never fills."""
 
-    def decisions() -> dict[str, float]:
-        samples = scrape(pd_app)
+    def decisions() -> dict[str, float]:  # as the decode replicas' routers counted them, in their processes
+        answers = probe(pd_app.address, "each", APP, POOL, "stats", "--replicas", "2")
+        made = [d for s in answers.values() for d in s["routing_decisions"]]
         return {
-            o: total(samples, "ray_summit_routing_decisions_total", model=PD, policy="kv_cache", outcome=o)
+            o: sum(d["count"] for d in made if (d["model"], d["policy"], d["outcome"]) == (PD, "kv_cache", o))
             for o in ("hit", "spill", "new")
         }
 
-    before = settled(decisions)
+    before = decisions()
     blocks = prefill_stats(pd_app)["kv_events"]["blocks"]
     doc = document(70)  # ~340 tokens: 2 whole blocks of 128
     assert complete(http, PD, doc).status_code == 200
     assert wait_for(lambda: prefill_stats(pd_app)["kv_events"]["blocks"] >= blocks + 2, 30), prefill_stats(pd_app)
     assert prefill_stats(pd_app)["kv_events"]["gaps"] == 0
     assert complete(http, PD, doc + "What does it say?").status_code == 200
-    seen: dict = {}
-
-    def both_in() -> bool:
-        seen.update(decisions())
-        return sum(seen.values()) >= sum(before.values()) + 2
-
-    assert wait_for(both_in, 300, 2), (before, seen)  # both prefill calls, decided by KV cache
-    assert seen["hit"] >= before["hit"] + 1, (before, seen)  # the second found the document's blocks
+    seen = decisions()
+    assert sum(seen.values()) == sum(before.values()) + 2, (before, seen)  # both prefill calls, decided by KV cache
+    assert seen["hit"] == before["hit"] + 1, (before, seen)  # the second found the document's blocks
 
 
 def test_the_prefill_engine_holds_no_kv_once_its_requests_are_decoded(pd_app, http):

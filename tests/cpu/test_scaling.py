@@ -236,13 +236,16 @@ def test_a_latency_target_met_keeps_the_count_under_a_load_serves_policy_scales_
     the tiny model's first tokens come in well under a second here, so the target is met and only a scale-out could
     change the count. Five clients keep 5 requests ongoing: over the `target_ongoing_requests` of 3, the load on which
     Serve's own policy scaled out above (the control). Serve's exported decision before its bounds
-    (`serve_autoscaling_desired_replicas`) must read 1 in a report whose input (`serve_autoscaling_total_requests`)
-    saw the load (>= 4), and no second replica may be asked for meanwhile. Fails if the latency policy scales on load
-    rather than on the target (Serve's own policy here decides ceil(5 / 3) = 2), or if it was not applied."""
+    (`serve_autoscaling_desired_replicas`) must read 1 in a report whose inputs saw the load (Serve's
+    `serve_autoscaling_total_requests` >= 4) and a latency measured (the policy's own
+    `summit_autoscaling_latency_pressure` > 0, under 1: the target met), and no second replica may be asked for
+    meanwhile. Fails if the latency policy scales on load rather than on the target (Serve's own policy here decides
+    ceil(5 / 3) = 2), if it scales on any latency measured whatever the target
+    (tests/mutations/latency-target-ignored.patch), or if it was not applied."""
     from tests.ray_metrics import scrape, total
 
     apply_latency_policy(summit_scaling, {"ttft_p90_ms": 60_000, "scale_in_below": 0})
-    seen: list[tuple[float, float]] = []  # (total requests, desired replicas) of each scrape
+    seen: list[tuple[float, float, float]] = []  # (total requests, latency pressure, desired replicas) of each scrape
     replica_counts: list[int] = []
     labels = {"deployment": DEPLOYMENT, "application": APP}
 
@@ -252,16 +255,18 @@ def test_a_latency_target_met_keeps_the_count_under_a_load_serves_policy_scales_
         seen.append(
             (
                 total(samples, "ray_serve_autoscaling_total_requests", **labels),
+                total(samples, "ray_summit_autoscaling_latency_pressure", **labels),
                 total(samples, "ray_serve_autoscaling_desired_replicas", **labels),
             )
         )
-        return seen[-1][0] >= 4
+        return seen[-1][0] >= 4 and seen[-1][1] > 0
 
     with loading(http, 5) as errors:
         loaded = wait_for(kept_under_load, 180, 1)
     assert not errors, f"{len(errors)} requests failed under load, e.g. {errors[:3]}"
-    assert loaded, f"Serve's autoscaler never reported the load (total requests, desired) per scrape: {seen[-10:]}"
-    assert seen[-1][1] == 1, f"the latency policy asked for {seen[-1][1]} replicas with its target met: {seen[-10:]}"
+    assert loaded, f"the load and a latency never in one report (total requests, pressure, desired): {seen[-10:]}"
+    assert seen[-1][1] < 1, f"the target was not met (a first token over 60 s?): {seen[-10:]}"
+    assert seen[-1][2] == 1, f"the latency policy asked for {seen[-1][2]} replicas with its target met: {seen[-10:]}"
     assert max(replica_counts) == 1, f"a second replica was asked for with the target met: {replica_counts}"
 
 

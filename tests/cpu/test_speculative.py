@@ -41,14 +41,21 @@ def test_ngram_speculation_drafts_and_keeps_the_greedy_output(tmp_path):
         args = vllm_adapter.serve_namespace(model, "m", engine_args(model, speculative), {})
         engine_app = await vllm_adapter.start_engine_app(args, metrics=True)
         try:
-            outputs = []
+            outputs, generated_before = [], vllm_adapter.generation_tokens() or 0
             for i, prompt in enumerate(PROMPTS):
                 final = None
                 params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
                 async for final in engine_app.engine.generate(prompt, params, f"{speculative}-{i}"):
                     pass
                 outputs.append(list(final.outputs[0].token_ids))
-            await asyncio.sleep(0.5)  # vLLM records a step's stats after its outputs
+            # vLLM records a step's stats just after its outputs: the last step's are in once the generated tokens
+            # counted are all of the outputs' (the drafting counters are recorded in the same step)
+            made = sum(len(tokens) for tokens in outputs)
+            for _ in range(1000):
+                if (vllm_adapter.generation_tokens() or 0) - generated_before >= made:
+                    break
+                await asyncio.sleep(0.01)
+            assert (vllm_adapter.generation_tokens() or 0) - generated_before == made
             counters = {
                 name: value
                 for kind, name, labels, value in vllm_adapter.engine_metric_samples()
