@@ -201,6 +201,7 @@ def wait_ready(slurm: SlurmCluster, job: Job, timeout_s: float = 900, want: str 
 
 def with_key(state: dict) -> dict[str, str]:
     """The environment of a client of the job: its API key (the job writes one, 0600, and names it in endpoint.json)."""
+    assert state.get("api_key_file"), f"the job wrote no API key (its endpoint.json names none): {state}"
     key_file = Path(state["api_key_file"])
     assert key_file.stat().st_mode & 0o777 == 0o600, oct(key_file.stat().st_mode)
     return {**os.environ, "OPENAI_API_KEY": key_file.read_text().strip()}
