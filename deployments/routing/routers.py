@@ -129,7 +129,7 @@ class _AdapterAffinity:
         now = time.monotonic()
         self._chosen = {k: t for k, t in self._chosen.items() if now - t < self.HOLD_S}
         holders = {r.replica_id.unique_id for r in replicas if adapter in r.routing_stats.get("loaded", ())}
-        holders |= {home for r in replicas if (home := r.routing_stats.get("homes", {}).get(adapter))}
+        holders |= homes_of(adapter, replicas)
         holders |= {rid for (name, rid), _ in self._chosen.items() if name == adapter}
         chosen, outcome = routing.adapter_affinity(adapter, loads, holders, self.imbalance)
         self._chosen[(adapter, chosen)] = now
@@ -318,13 +318,18 @@ def _base_model(adapter: str, replicas: list[RunningReplica]) -> str | None:
     return next((r.routing_stats.get("model") for r in serving), None)
 
 
+def homes_of(adapter: str, replicas: list[RunningReplica]) -> set[str]:
+    """The replica that loaded LoRA adapter `adapter` at run time, as any replica's routing stats name it."""
+    return {home for r in replicas if (home := r.routing_stats.get("homes", {}).get(adapter))}
+
+
 def same_model(replicas: list[RunningReplica], model: str | None) -> list[RunningReplica]:
     """The replicas serving `model` (or the model a LoRA adapter `model` belongs to), where a deployment hosts several
     models (each replica reports its own and its adapters in `record_routing_stats`, and the home of each adapter
     loaded at run time); all of them when the request names none or the replicas report nothing."""
     if model is None or not any(r.routing_stats.get("model") for r in replicas):
         return replicas
-    homes = {home for r in replicas if (home := r.routing_stats.get("homes", {}).get(model))}
+    homes = homes_of(model, replicas)
     return [
         r
         for r in replicas
