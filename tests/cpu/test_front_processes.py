@@ -152,9 +152,10 @@ def test_a_dropped_stream_resumes_through_either_process_of_its_replica(fronts):
             if len(accepted) == 2:
                 break
             rest = read_stream(url, None, {"last-event-id": first.last_id})
-            assert rest.status == 200, (keeper, rest.headers, rest.body)
+            story = lambda: serve_log_lines(fronts, first.headers["x-summit-stream-id"])  # noqa: E731 — on failure
+            assert rest.status == 200, (keeper, rest.headers, rest.body, story())
             same_stream(first, rest)
-            assert rest.done and text_of(first.events + rest.events) == text_of(uncut.events), keeper
+            assert rest.done and text_of(first.events + rest.events) == text_of(uncut.events), (keeper, rest, story())
             accepted.add(rest.headers.get("x-summit-front", "0"))  # which process took the connection
     assert checked == {0: {"0", "1"}, 1: {"0", "1"}}, checked
 
