@@ -32,7 +32,7 @@ from tests.cpu.test_openai_api import (  # noqa: F401
 )
 from tests.engine_checks import assert_multicast_off, replica_actors
 from tests.gpu.conftest import app_config, tiny_gpu_model
-from tests.ray_metrics import by_label, scrape, settled, total
+from tests.replica_probe import probe
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a prefill GPU and a decode GPU")
 
@@ -48,27 +48,19 @@ def summit(gpu_cluster, model_dirs):
 
 
 def decode_counters(cluster) -> dict:
-    """The decode replica's vLLM counters (its replica id from Summit's PD phase metric, which only the decode
-    replica records), settled: every answered request is in."""
-
-    def read() -> dict:
-        s = scrape(cluster)
-        (replica,) = by_label(s, "ray_summit_pd_phase_seconds_count", "replica", model=MODEL, phase="prefill") or {
-            "": 0
-        }
-        return {
-            "replica": replica,
-            "phases": total(s, "ray_summit_pd_phase_seconds_count", model=MODEL, phase="first_token"),
-            "external_hits": total(s, "ray_vllm_external_prefix_cache_hits_total", ReplicaId=replica),
-            "prompt_local_compute": total(
-                s, "ray_vllm_prompt_tokens_by_source_total", ReplicaId=replica, source="local_compute"
-            ),
-            "prompt_external": total(
-                s, "ray_vllm_prompt_tokens_by_source_total", ReplicaId=replica, source="external_kv_transfer"
-            ),
-        }
-
-    return settled(read)
+    """The decode replica's own counts, read in its process (as tests/cpu/test_disaggregation.py reads them): vLLM's
+    counters of what its engine took from its KV connector and computed, and Summit's count of disaggregated requests
+    that reached their first token there; current as each request was answered, with no metrics export between."""
+    answers = probe(cluster.address, "each", "summit", f"LLMServer:{MODEL}", "stats", "--replicas", "1")
+    ((replica, stats),) = answers.items()
+    recorded, by_source = stats["recorded"], stats["prompt_tokens_by_source"]
+    return {
+        "replica": replica,
+        "phases": recorded.get("summit:pd_phase_seconds_count:first_token", 0),
+        "external_hits": recorded.get("vllm:external_prefix_cache_hits", 0),
+        "prompt_local_compute": by_source.get("local_compute", 0),
+        "prompt_external": by_source.get("external_kv_transfer", 0),
+    }
 
 
 def test_the_decode_engine_loads_each_prompts_kv_over_nixl(summit, client):
