@@ -24,8 +24,8 @@ MUTATIONS = sorted(p.stem for p in (REPO / "tests" / "mutations").glob("*.patch"
 QUICK = "tests/unit/test_ready.py::test_base_url_follows_http_options"  # a unit test of a second's run
 
 
-def mutations(*args: str, env: dict | None = None, nice: int = 0) -> subprocess.CompletedProcess:
-    command = ["nice", "-n", str(nice), "bash", "scripts/mutations.sh", *args]
+def mutations(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = ["bash", "scripts/mutations.sh", *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=2300, env=env)
 
 
